@@ -1,0 +1,21 @@
+"""The wire format (FORMAT.md): UMASH, blob names, manifests and chunks.
+
+Everything here is pure computation on bytes (no I/O but /etc/hostname):
+the store, copier, reader and CLI all go through this package to agree with
+Verneuil on every byte.
+"""
+from .manifest import (CHUNK_ZSTD_LEVEL, GENERATED_BY, MANIFEST_ZSTD_LEVEL,
+                       MAX_MANIFEST_BYTES, ZSTD_MAGIC, ChunkError, Manifest,
+                       ManifestError, chunk_count, compress_chunk,
+                       compress_manifest, contents_fprint_of, decode_and_validate,
+                       decode_chunk, encode_manifest, header_fprint_of,
+                       snapshot_of, words_of)
+from .names import (CHUNK_SIZE, ZERO_CHUNK_FPRINT, ZERO_CHUNK_NAME, BadName,
+                    ManifestName, chunk_fingerprint, chunk_name, local_hostname,
+                    manifest_name, parse_chunk_name, parse_manifest_name,
+                    percent_encode)
+from .umash import (CHUNK_KEY, DIRECTORY_KEY, HEADER_KEY, HOSTNAME_KEY, KEYS,
+                    MANGLING_KEY, PATH_KEY, Fprint, active_impl, derived_params,
+                    fingerprint, hash64, select_impl)
+
+__all__ = [name for name in dir() if not name.startswith("_")]
