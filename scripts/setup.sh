@@ -13,6 +13,7 @@ APT_PACKAGES=(
   gcc libc6-dev                      # the cffi modules and the SQLite extension
   sqlite3 libsqlite3-dev             # the shell, and sqlite3.h/sqlite3ext.h
   protobuf-compiler                  # scripts/gen_proto.sh
+  default-jre-headless               # the JVM under PySpark
   python3-venv
 )
 
@@ -38,7 +39,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 echo "setup: installing the project and its test tools into .venv"
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel cffi 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q -e ".[test,spark]" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import verneuil_fuse.format, pyfuse3" \
   || { echo "setup: the project did not install (see pip's output above)" >&2; exit 1; }
 
