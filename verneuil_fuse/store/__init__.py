@@ -1,0 +1,71 @@
+"""Blob stores: where chunks and manifests live (S3 or a local directory).
+
+This package owns every access to blob storage; boto3 is imported only here
+(in `s3`, and only once an S3 store is opened).
+
+- `open_store(spec) -> Store`: open a store from a URL (``file:///dir``,
+  ``/dir``, ``s3://CHUNK_BUCKET?manifest_bucket=M&endpoint=...&region=...&addressing=path|domain``),
+  ``@config.json``, a JSON string, a Verneuil-shaped dict, or ``None`` for the
+  ``VERNEUIL_CONFIG`` environment variable.  Syntax: `config` module docstring.
+- `parse_config(spec) -> dict`: the same spec as a Verneuil-shaped config dict,
+  for modules that need other keys (``replication_spooling_dir``, ...).
+- `Store` (``chunks``, ``manifests``, ``url``), the `Backend` protocol,
+  `ObjectInfo`, `VersionInfo`, and the errors: `StoreError` > `NotFound`,
+  `BucketNotFound`, `AccessDenied`, `TransientError`, `InvalidKey`,
+  `ConfigError`.
+- Implementations: `LocalBackend` (here) and `S3Backend` / `make_client`
+  (``verneuil_fuse.store.s3``, imported lazily on attribute access).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .base import (
+    MAX_KEY_BYTES,
+    AccessDenied,
+    Backend,
+    BucketNotFound,
+    ConfigError,
+    InvalidKey,
+    NotFound,
+    ObjectInfo,
+    Store,
+    StoreError,
+    TransientError,
+    VersionInfo,
+    check_key,
+)
+from .config import ENV_VAR, open_store, parse_config, store_target, target_url
+from .local import LocalBackend
+
+__all__ = [
+    "ENV_VAR",
+    "MAX_KEY_BYTES",
+    "AccessDenied",
+    "Backend",
+    "BucketNotFound",
+    "ConfigError",
+    "InvalidKey",
+    "LocalBackend",
+    "NotFound",
+    "ObjectInfo",
+    "S3Backend",
+    "Store",
+    "StoreError",
+    "TransientError",
+    "VersionInfo",
+    "check_key",
+    "open_store",
+    "parse_config",
+    "store_target",
+    "target_url",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # S3Backend / make_client without importing boto3 for directory-only users.
+    if name in ("S3Backend", "make_client"):
+        from . import s3
+
+        return getattr(s3, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,248 @@
+"""The blob-store contract: the `Backend` protocol, its records and its errors.
+
+This module owns what every store implementation promises and what callers may
+rely on:
+
+- `Backend`: one synchronous interface to ONE bucket (or directory) of blobs.
+  Implementations: `local.LocalBackend` (a directory) and `s3.S3Backend` (an S3
+  bucket, optionally under a key prefix).  Calls block; async callers run them
+  in threads.  Implementations are safe to share between threads.
+- `Store`: the pair of backends a replica lives in (chunks + manifests; the two
+  buckets may differ) and the URL that reopens it (`open_store(store.url)`).
+- `ObjectInfo` / `VersionInfo`: what listings yield.
+- The error hierarchy.  Every failure of a backend call is a `StoreError`
+  (never a botocore or OSError leaking through), and no message ever holds a
+  credential:
+
+  - `NotFound`: the key (or that version of it) does not exist.
+  - `BucketNotFound`: the bucket / directory itself does not exist.
+  - `AccessDenied`: credentials missing, refused or not allowed to do this.
+  - `TransientError`: worth retrying (5xx, SlowDown, timeouts, connection
+    errors, a full or flaky local disk); callers own the retry loop.
+  - `InvalidKey`: a key that is not a single flat blob name (see `check_key`).
+  - `ConfigError`: a store spec that cannot be understood (one-line message).
+
+Keys are flat names: chunk names (`%016x%%2F%016x`, literally `%2F`) and
+manifest names are already percent-encoded, so a valid key never holds `/`.
+Both backends apply the same rules (`check_key`) so that any bucket can be
+mirrored into a directory and back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Iterator, Protocol, runtime_checkable
+
+logger = logging.getLogger(__name__)
+
+# Longest key accepted, in UTF-8 bytes.  255 is NAME_MAX on Linux file
+# systems, so every key can also be a file name in a directory store; manifest
+# names are at most 104 + 32 + 104 = 240 bytes (FORMAT.md) and chunk names 35.
+MAX_KEY_BYTES = 255
+
+# Prefix of the names the local store reserves for its temporary files; keys
+# may not start with it (and listings skip such names).
+RESERVED_KEY_PREFIX = "."
+
+
+class StoreError(Exception):
+    """Base class of every error raised by a blob store.
+
+    `key` is the blob key concerned, when there is one.  Messages name the
+    location (bucket, directory, endpoint) but never credentials.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class NotFound(StoreError):
+    """The key (or the requested version of it) does not exist."""
+
+
+class BucketNotFound(StoreError):
+    """The bucket (S3) or directory (local store) does not exist."""
+
+
+class AccessDenied(StoreError):
+    """Missing, invalid or insufficient credentials / permissions."""
+
+
+class TransientError(StoreError):
+    """A failure that may go away on retry: 5xx, throttling, timeouts, network."""
+
+
+class InvalidKey(StoreError, ValueError):
+    """A key that is not a valid flat blob name (see `check_key`)."""
+
+
+class ConfigError(StoreError, ValueError):
+    """A store spec / configuration that cannot be used; the message is one line."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One blob in a listing: its key (without any backend prefix), size in
+    bytes and modification time (seconds since the epoch)."""
+
+    key: str
+    size: int
+    mtime: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VersionInfo:
+    """One version of a blob.  `version_id` is opaque ("null" for unversioned
+    buckets and for directory stores); `is_latest` marks the current one."""
+
+    key: str
+    version_id: str
+    size: int
+    mtime: float
+    is_latest: bool
+
+
+def check_key(key: object) -> str:
+    """Return `key` if it is a valid flat blob name, else raise `InvalidKey`.
+
+    Refused: non-strings, the empty string, `.` and `..`, anything holding `/`
+    or NUL, names longer than `MAX_KEY_BYTES` UTF-8 bytes (or not encodable),
+    and names starting with `RESERVED_KEY_PREFIX` (temporary files).
+    """
+    if not isinstance(key, str):
+        raise InvalidKey(f"blob key must be a str, not {type(key).__name__}")
+    if not key:
+        raise InvalidKey("blob key must not be empty")
+    if "/" in key or "\0" in key:
+        raise InvalidKey(f"blob key must not contain '/' or NUL: {key!r}", key=key)
+    if key.startswith(RESERVED_KEY_PREFIX):  # also covers "." and ".."
+        raise InvalidKey(
+            f"blob key must not start with {RESERVED_KEY_PREFIX!r} "
+            f"(reserved for temporary files): {key!r}",
+            key=key,
+        )
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidKey(f"blob key is not valid UTF-8: {key!r}", key=key) from None
+    if size > MAX_KEY_BYTES:
+        raise InvalidKey(
+            f"blob key is {size} bytes long, more than {MAX_KEY_BYTES}: {key[:40]!r}...",
+            key=key,
+        )
+    return key
+
+
+def check_prefix(prefix: object) -> str:
+    """Return `prefix` if it can start a valid key ("" included), else raise
+    `InvalidKey`."""
+    if not isinstance(prefix, str):
+        raise InvalidKey(f"listing prefix must be a str, not {type(prefix).__name__}")
+    if "/" in prefix or "\0" in prefix:
+        raise InvalidKey(f"listing prefix must not contain '/' or NUL: {prefix!r}")
+    return prefix
+
+
+def check_range(start: int, end: int) -> None:
+    """Validate a byte range [start, end) given to `Backend.get_range`."""
+    if start < 0 or end < start:
+        raise ValueError(f"invalid byte range [{start}, {end})")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One bucket (or directory) of blobs, accessed synchronously.
+
+    All methods raise `StoreError` subclasses only (plus `ValueError` for a
+    malformed byte range).  Keys are checked with `check_key`.
+    """
+
+    def get(self, key: str) -> bytes:
+        """The whole blob.  `NotFound` if it does not exist."""
+        ...
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the blob; shorter (possibly empty) when the
+        range runs past the end.  `NotFound` if the blob does not exist."""
+        ...
+
+    def put(self, key: str, data: bytes) -> None:
+        """Create or replace the blob atomically (readers see old or new)."""
+        ...
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create the blob unless it exists; True if this call wrote it.
+
+        A retried request whose first attempt landed may report False: the
+        blob then holds `data` anyway, which is all content-addressed callers
+        need."""
+        ...
+
+    def exists(self, key: str) -> bool:
+        """Whether the blob exists."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Delete the blob (on a versioned bucket: add a delete marker).
+        Deleting a missing key is not an error."""
+        ...
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Current blobs whose key starts with `prefix`, fetched lazily page by
+        page; errors surface while iterating.  Order is unspecified (S3 yields
+        key order; a directory yields directory order)."""
+        ...
+
+    def list_versions(self, key: str) -> list[VersionInfo]:
+        """Versions of one key, newest first (delete markers left out); empty if
+        there are none.  A directory store has at most the current one, with
+        version id "null"."""
+        ...
+
+    def get_version(self, key: str, version_id: str) -> bytes:
+        """One version of a blob.  `NotFound` if that version does not exist."""
+        ...
+
+    def touch(self, key: str) -> None:
+        """Refresh the blob's modification time so lifecycle expiry restarts
+        (S3: copy onto itself; directory: utime).  `NotFound` if missing."""
+        ...
+
+    def describe(self) -> str:
+        """Human-readable location, e.g. `s3://bucket/prefix at http://host`.
+        Never holds credentials."""
+        ...
+
+
+@dataclasses.dataclass
+class Store:
+    """Where replicas live: a chunk backend and a manifest backend.
+
+    `url` is a spec that `open_store` turns back into an equivalent store
+    (pass it to subprocesses, mounts, Spark executors).
+    """
+
+    chunks: Backend
+    manifests: Backend
+    url: str
+
+    def describe(self) -> str:
+        """Human-readable description of both locations (no credentials)."""
+        chunks, manifests = self.chunks.describe(), self.manifests.describe()
+        return f"chunks: {chunks}; manifests: {manifests}"
+
+    def close(self) -> None:
+        """Release connections (idempotent); backends without `close` are fine."""
+        seen: set[int] = set()
+        for backend in (self.chunks, self.manifests):
+            close = getattr(backend, "close", None)
+            if close is not None and id(backend) not in seen:
+                seen.add(id(backend))
+                close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

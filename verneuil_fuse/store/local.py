@@ -1,0 +1,351 @@
+"""Directory blob store: `LocalBackend`, one directory of blob files.
+
+This module owns the embedded default store (`file:///dir`): a `Store` made of
+`<dir>/chunks/` and `<dir>/manifests/`, each a `LocalBackend`, holding exactly
+the bytes S3 would hold, one file per key.
+
+Durability and atomicity (this is durable storage, unlike the spool):
+- every write goes to a temporary file in the same directory, named
+  `.tmp-...` (keys may not start with "."), is written in full and fsynced,
+  then published with rename() (`put`) or link() (`put_if_absent`, which must
+  not replace), and the directory is fsynced so the new name survives a crash;
+- readers therefore see either no file or a complete one;
+- listings skip temporary files (and anything else that is not a valid key).
+
+A crash can leave `.tmp-*` files behind; they are never listed and may be
+removed by hand (or by a future sweeper) once older than any write in flight.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import stat
+from typing import Iterator
+
+from .base import (
+    RESERVED_KEY_PREFIX,
+    AccessDenied,
+    BucketNotFound,
+    InvalidKey,
+    NotFound,
+    ObjectInfo,
+    StoreError,
+    TransientError,
+    VersionInfo,
+    check_key,
+    check_prefix,
+    check_range,
+)
+
+logger = logging.getLogger(__name__)
+
+# Version id reported for the single version a directory holds, the same
+# string S3 uses for objects written while versioning was off.
+NULL_VERSION_ID = "null"
+
+# Prefix of temporary file names; starts with RESERVED_KEY_PREFIX so that no
+# key can collide with a temporary file and listings can skip them cheaply.
+TEMP_PREFIX = RESERVED_KEY_PREFIX + "tmp-"
+
+# Random bytes in a temporary name (hex-encoded): with the pid, enough that
+# concurrent writers (threads or processes) never pick the same name.
+TEMP_TOKEN_BYTES = 8
+
+# Mode for published files, before the umask: blobs are read by other
+# processes (mounts, Spark executors) that may run as other users.
+FILE_MODE = 0o666
+
+# errno values worth a retry: flaky or full storage (a replicator should keep
+# its data and retry later rather than drop it), interrupted or stale (NFS)
+# operations.
+TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.EIO,
+        errno.EAGAIN,
+        errno.EINTR,
+        errno.EBUSY,
+        errno.ETIMEDOUT,
+        errno.ESTALE,
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.ENOMEM,
+    }
+)
+
+# errno values meaning "not allowed", reported as AccessDenied.
+DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+
+# errno values from link() meaning "this file system has no hard links";
+# put_if_absent then falls back to an O_EXCL create of the final name.
+NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK})
+
+
+class LocalBackend:
+    """A directory of blobs, one regular file per key.  Thread-safe.
+
+    `create`: make the directory (and its parents) now and again whenever a
+    write finds it gone; otherwise a missing directory is `BucketNotFound`.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self.create = create
+        self._link_supported = True
+        if create:
+            self._make_root()
+
+    # -- helpers ---------------------------------------------------------
+
+    def describe(self) -> str:
+        return f"directory {self.root}"
+
+    def close(self) -> None:
+        """Nothing to release; present for symmetry with S3Backend."""
+
+    def __repr__(self) -> str:
+        return f"LocalBackend({self.root!r})"
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, check_key(key))
+
+    def _make_root(self) -> None:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as err:
+            raise self._error(err, "create directory", None) from None
+
+    def _root_missing(self) -> bool:
+        return not os.path.isdir(self.root)
+
+    def _error(self, err: OSError, op: str, key: str | None) -> StoreError:
+        """Map an OSError from operation `op` on `key` to a StoreError."""
+        where = self.root if key is None else os.path.join(self.root, key)
+        reason = err.strerror or type(err).__name__
+        message = f"{op} {where}: {reason}"
+        code = err.errno
+        if code in (errno.ENOENT, errno.ENOTDIR):
+            if self._root_missing():
+                return BucketNotFound(
+                    f"{op} {where}: directory {self.root} does not exist", key=key
+                )
+            return NotFound(message, key=key)
+        if code in DENIED_ERRNOS:
+            return AccessDenied(message, key=key)
+        if code in TRANSIENT_ERRNOS:
+            return TransientError(message, key=key)
+        if code == errno.EISDIR:
+            return StoreError(f"{op} {where}: is a directory, not a blob", key=key)
+        return StoreError(message, key=key)
+
+    def _fsync_dir(self) -> None:
+        """Make a rename/link in the root durable; file systems that cannot
+        fsync a directory (EINVAL) are tolerated."""
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as err:
+            raise self._error(err, "open directory", None) from None
+        try:
+            os.fsync(fd)
+        except OSError as err:
+            if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise self._error(err, "fsync directory", None) from None
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _write_all(fd: int, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+
+    def _write_new(self, path: str, data: bytes) -> None:
+        """Create `path` exclusively, write `data` and fsync it; on failure
+        remove the partial file."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        try:
+            self._write_all(fd, data)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(path)
+            raise
+        os.close(fd)
+
+    def _write_temp(self, key: str, data: bytes) -> str:
+        """A complete, fsynced temporary file holding `data`; its path."""
+        for attempt in (1, 2):
+            temp = os.path.join(
+                self.root, f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(TEMP_TOKEN_BYTES)}"
+            )
+            try:
+                self._write_new(temp, data)
+                return temp
+            except FileNotFoundError as err:
+                if self.create and attempt == 1:
+                    logger.info("recreating missing store directory %s", self.root)
+                    self._make_root()
+                    continue
+                raise self._error(err, "write", key) from None
+            except OSError as err:
+                raise self._error(err, "write", key) from None
+        raise AssertionError("unreachable")
+
+    # -- Backend ---------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as err:
+            raise self._error(err, "read", key) from None
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        path = self._path(key)
+        check_range(start, end)
+        try:
+            with open(path, "rb") as f:
+                if start == end:
+                    return b""
+                f.seek(start)
+                return f.read(end - start)
+        except OSError as err:
+            raise self._error(err, "read", key) from None
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        temp = self._write_temp(key, data)
+        try:
+            os.replace(temp, path)
+        except OSError as err:
+            _unlink_quietly(temp)
+            raise self._error(err, "publish", key) from None
+        self._fsync_dir()
+        logger.debug("put %s (%d bytes)", path, len(data))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        if not self._link_supported:
+            return self._put_if_absent_excl(key, path, data)
+        temp = self._write_temp(key, data)
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            return False
+        except OSError as err:
+            if err.errno in NO_LINK_ERRNOS:
+                logger.warning(
+                    "%s: hard links unsupported (%s); publishing with O_EXCL instead",
+                    self.root,
+                    err.strerror,
+                )
+                self._link_supported = False
+                return self._put_if_absent_excl(key, path, data)
+            raise self._error(err, "publish", key) from None
+        finally:
+            _unlink_quietly(temp)
+        self._fsync_dir()
+        logger.debug("put_if_absent %s (%d bytes)", path, len(data))
+        return True
+
+    def _put_if_absent_excl(self, key: str, path: str, data: bytes) -> bool:
+        """Fallback without link(): create the final name exclusively.  A
+        concurrent reader may see a partial file until the write completes;
+        content-addressed readers verify fingerprints and retry."""
+        try:
+            self._write_new(path, data)
+        except FileExistsError:
+            return False
+        except OSError as err:
+            raise self._error(err, "write", key) from None
+        self._fsync_dir()
+        return True
+
+    def exists(self, key: str) -> bool:
+        path = self._path(key)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            if self._root_missing():
+                raise BucketNotFound(f"directory {self.root} does not exist", key=key) from None
+            return False
+        except OSError as err:
+            raise self._error(err, "stat", key) from None
+        return stat.S_ISREG(st.st_mode)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            if self._root_missing():
+                raise BucketNotFound(f"directory {self.root} does not exist", key=key) from None
+        except OSError as err:
+            raise self._error(err, "delete", key) from None
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        check_prefix(prefix)
+        return self._list(prefix)
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        try:
+            entries = os.scandir(self.root)
+        except OSError as err:
+            raise self._error(err, "list", None) from None
+        with entries:
+            for entry in entries:
+                name = entry.name
+                if not name.startswith(prefix) or name.startswith(RESERVED_KEY_PREFIX):
+                    continue
+                try:
+                    check_key(name)
+                    st = entry.stat(follow_symlinks=False)
+                except InvalidKey:
+                    continue
+                except FileNotFoundError:  # deleted while listing
+                    continue
+                except OSError as err:
+                    raise self._error(err, "stat", name) from None
+                if stat.S_ISREG(st.st_mode):
+                    yield ObjectInfo(name, st.st_size, st.st_mtime)
+
+    def list_versions(self, key: str) -> list[VersionInfo]:
+        path = self._path(key)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            if self._root_missing():
+                raise BucketNotFound(f"directory {self.root} does not exist", key=key) from None
+            return []
+        except OSError as err:
+            raise self._error(err, "stat", key) from None
+        return [VersionInfo(key, NULL_VERSION_ID, st.st_size, st.st_mtime, True)]
+
+    def get_version(self, key: str, version_id: str) -> bytes:
+        if version_id == NULL_VERSION_ID:
+            return self.get(key)
+        path = self._path(key)
+        if self._root_missing():
+            raise BucketNotFound(f"directory {self.root} does not exist", key=key)
+        raise NotFound(
+            f"read {path}: a directory store has no version {version_id!r} "
+            f"(only {NULL_VERSION_ID!r})",
+            key=key,
+        )
+
+    def touch(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.utime(path, None)
+        except OSError as err:
+            raise self._error(err, "touch", key) from None
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,502 @@
+"""S3 blob store: `S3Backend` (one bucket, optionally under a key prefix) and
+`make_client` (the one boto3 client a store shares between its backends).
+
+This module is the only place in the project that imports boto3/botocore.  It
+owns:
+- the client configuration: connection pool size, timeouts, retry policy,
+  endpoint, region, path or virtual-host ("domain") addressing; credentials
+  always come from boto3's default chain (environment, ~/.aws, instance or
+  container roles), never from the store configuration;
+- the translation of every botocore failure into the `StoreError` hierarchy
+  of `base.py` (no botocore exception escapes a `Backend` call), with messages
+  that name bucket, key and endpoint but never credentials.
+
+Keys passed to an `S3Backend` are flat blob names (`base.check_key`); the
+backend prepends its `prefix` ("" for Verneuil's layout, where keys sit at the
+root of the chunk and manifest buckets) and strips it from listings.
+"""
+from __future__ import annotations
+
+import logging
+import urllib.parse
+from typing import Any, Callable, Iterator
+
+import boto3
+import botocore.exceptions
+from botocore.config import Config
+
+from .base import (
+    AccessDenied,
+    BucketNotFound,
+    ConfigError,
+    InvalidKey,
+    NotFound,
+    ObjectInfo,
+    StoreError,
+    TransientError,
+    VersionInfo,
+    check_key,
+    check_prefix,
+    check_range,
+)
+
+logger = logging.getLogger(__name__)
+
+# Size of the client's HTTP connection pool.  The fetcher issues many GETs in
+# parallel (trio threads behind a CapacityLimiter, plus prefetch) through the
+# ONE client a store shares; with a pool smaller than the number of threads,
+# urllib3 discards surplus connections after each request ("Connection pool is
+# full") and every fetch pays a new TCP (+TLS) handshake.  64 covers the
+# fetcher's concurrency with headroom; keep it >= any limiter in front of it.
+MAX_POOL_CONNECTIONS = 64
+
+# Seconds to establish a TCP connection.  A reachable endpoint answers in
+# milliseconds; 3 s still absorbs two lost SYNs (1 s retransmit each) while an
+# unreachable one fails fast enough for a FUSE read to report an error.
+CONNECT_TIMEOUT = 3.0
+
+# Seconds of silence tolerated while waiting for response bytes (per socket
+# read, not for the whole transfer).  S3's first-byte latency is well under a
+# second even when loaded; 15 s leaves room for slow servers without letting a
+# dead connection hang a reader for minutes.
+READ_TIMEOUT = 15.0
+
+# Total attempts per request, first included, in botocore's "standard" retry
+# mode (jittered exponential backoff, retries on 5xx/throttling/connection
+# errors).  Small on purpose: callers (copier, fetcher) run their own retry
+# loops with longer backoff, and stacked retries multiply outage latency.
+MAX_ATTEMPTS = 3
+
+# Keys per ListObjectsV2 / ListObjectVersions page.  1000 is S3's maximum, so
+# the fewest round trips; tests pass a tiny value to exercise pagination.
+LIST_PAGE_SIZE = 1000
+
+# Addressing styles botocore understands: "path" (http://host/bucket/key),
+# "virtual" (http://bucket.host/key, Verneuil's domain_addressing=true) and
+# "auto" (virtual when the bucket name allows it; IP endpoints always use
+# path style).
+ADDRESSING_STYLES = ("path", "virtual", "auto")
+
+# Regions where CreateBucket must NOT send a LocationConstraint.
+DEFAULT_REGIONS = frozenset({"", "us-east-1", "aws-global"})
+
+# Error codes (or HTTP status codes botocore reports as codes, e.g. for HEAD
+# requests, which carry no error body) and what they mean to callers.
+NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchVersion", "NotFound", "404"})
+BUCKET_NOT_FOUND_CODES = frozenset({"NoSuchBucket"})
+DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "403",
+        "Forbidden",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "InvalidSecurity",
+        "NotSignedUp",
+        "InvalidClientTokenId",
+    }
+)
+PRECONDITION_CODES = frozenset({"PreconditionFailed", "412"})
+TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "OperationAborted",
+        # 409: another conditional write to the same key is in flight.
+        "ConditionalRequestConflict",
+        "429",
+    }
+)
+RANGE_NOT_SATISFIABLE_CODES = frozenset({"InvalidRange", "416"})
+
+# Longest server-supplied error message quoted in our messages (they are
+# one-liners in logs and CLI output).
+MAX_QUOTED_MESSAGE = 200
+
+# Failures of the transport (not of S3): all worth a retry.
+_TRANSIENT_EXCEPTIONS: tuple[type[BaseException], ...] = (
+    botocore.exceptions.ConnectionError,  # refused, connect timeout, DNS, TLS, proxy
+    botocore.exceptions.HTTPClientError,  # read timeout, connection closed, streaming
+    botocore.exceptions.IncompleteReadError,
+    OSError,  # raw socket / urllib3 errors while reading a body
+)
+_CREDENTIAL_EXCEPTIONS: tuple[type[BaseException], ...] = (
+    botocore.exceptions.NoCredentialsError,
+    botocore.exceptions.PartialCredentialsError,
+    botocore.exceptions.CredentialRetrievalError,
+)
+
+
+def safe_endpoint(endpoint: str | None) -> str | None:
+    """`endpoint` without user info, query or fragment, fit for messages."""
+    if not endpoint:
+        return None
+    parts = urllib.parse.urlsplit(endpoint)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    netloc = host if port is None else f"{host}:{port}"
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def make_client(
+    *,
+    endpoint: str | None = None,
+    region: str | None = None,
+    addressing: str = "auto",
+    max_attempts: int = MAX_ATTEMPTS,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    read_timeout: float = READ_TIMEOUT,
+    max_pool_connections: int = MAX_POOL_CONNECTIONS,
+) -> Any:
+    """A new S3 client (its own boto3 Session, since sessions are not
+    thread-safe; the client itself is).  Bad settings raise `ConfigError`."""
+    if addressing not in ADDRESSING_STYLES:
+        raise ConfigError(
+            f"S3 addressing must be one of {', '.join(ADDRESSING_STYLES)}, not {addressing!r}"
+        )
+    config = Config(
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        retries={"mode": "standard", "total_max_attempts": max_attempts},
+        max_pool_connections=max_pool_connections,
+        s3={"addressing_style": addressing},
+        # Checksums only where S3 requires them: S3-compatible servers (minio,
+        # Ceph, older releases) reject botocore's default trailing checksums,
+        # and readers verify every chunk's fingerprint anyway.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    try:
+        session = boto3.session.Session()
+        return session.client(
+            "s3", endpoint_url=endpoint or None, region_name=region or None, config=config
+        )
+    except (ValueError, botocore.exceptions.BotoCoreError) as err:
+        # ValueError: botocore's "Invalid endpoint" (it quotes the endpoint,
+        # which could hold user info, so say it ourselves).
+        raise ConfigError(
+            f"cannot configure S3 client (endpoint {safe_endpoint(endpoint)}, "
+            f"region {region}): {type(err).__name__}"
+        ) from None
+
+
+class S3Backend:
+    """One S3 bucket (under an optional key prefix) as a `Backend`.
+
+    `client` comes from `make_client` and may be shared (thread-safe).
+    `create_bucket_on_demand`: when a write finds the bucket missing, create it
+    (with versioning if `versioned`) and retry once, like Verneuil's
+    `create_buckets_on_demand`.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        bucket: str,
+        prefix: str = "",
+        *,
+        page_size: int = LIST_PAGE_SIZE,
+        create_bucket_on_demand: bool = False,
+        versioned: bool = False,
+        endpoint: str | None = None,
+    ) -> None:
+        if not bucket or "/" in bucket:
+            raise ConfigError(f"invalid S3 bucket name {bucket!r}")
+        self.client = client
+        self.bucket = bucket
+        self.prefix = prefix
+        self.page_size = page_size
+        self.create_bucket_on_demand = create_bucket_on_demand
+        self.versioned = versioned
+        self.endpoint = safe_endpoint(endpoint)
+        self.region = getattr(getattr(client, "meta", None), "region_name", None)
+        # Set once the bucket is known to exist, so that a 404 on HEAD (which
+        # cannot tell "no key" from "no bucket") costs a HeadBucket only once.
+        self._bucket_confirmed = False
+
+    # -- helpers ---------------------------------------------------------
+
+    def describe(self) -> str:
+        where = f"s3://{self.bucket}/{self.prefix}"
+        details = [f"at {self.endpoint}"] if self.endpoint else []
+        if self.region:
+            details.append(f"region {self.region}")
+        return f"{where} ({', '.join(details)})" if details else where
+
+    def __repr__(self) -> str:
+        return f"S3Backend({self.describe()!r})"
+
+    def close(self) -> None:
+        """Close the (possibly shared) client's connections; idempotent."""
+        close = getattr(self.client, "close", None)
+        if close is not None:
+            close()
+
+    def _full(self, key: str) -> str:
+        return self.prefix + check_key(key)
+
+    def _where(self, key: str | None) -> str:
+        where = f"s3://{self.bucket}/{self.prefix}{key or ''}"
+        return f"{where} at {self.endpoint}" if self.endpoint else where
+
+    def _error(self, exc: BaseException, op: str, key: str | None) -> StoreError:
+        """Translate any exception from boto3 into a StoreError."""
+        where = self._where(key)
+        if isinstance(exc, StoreError):
+            return exc
+        if isinstance(exc, botocore.exceptions.ClientError):
+            error = exc.response.get("Error", {}) or {}
+            code = str(error.get("Code", "") or "")
+            status = (exc.response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode")
+            message = str(error.get("Message", "") or "")[:MAX_QUOTED_MESSAGE]
+            if code in DENIED_CODES or status == 403:
+                # No server message: some echo request details.
+                return AccessDenied(f"{op} {where}: access denied ({code or status})", key=key)
+            detail = f"{code or status}" + (f" ({message})" if message else "")
+            if code in BUCKET_NOT_FOUND_CODES:
+                return BucketNotFound(f"{op} {where}: bucket {self.bucket} does not exist", key=key)
+            if code in NOT_FOUND_CODES or status == 404:
+                return NotFound(f"{op} {where}: not found ({detail})", key=key)
+            if code in TRANSIENT_CODES or (isinstance(status, int) and status >= 500):
+                return TransientError(f"{op} {where}: {detail}", key=key)
+            return StoreError(f"{op} {where}: {detail}", key=key)
+        if isinstance(exc, _CREDENTIAL_EXCEPTIONS):
+            return AccessDenied(
+                f"{op} {where}: no usable AWS credentials "
+                f"(boto3's default chain: environment, ~/.aws, instance role)",
+                key=key,
+            )
+        if isinstance(exc, _TRANSIENT_EXCEPTIONS):
+            return TransientError(
+                f"{op} {where}: cannot reach S3 ({type(exc).__name__})", key=key
+            )
+        return StoreError(f"{op} {where}: {type(exc).__name__}: {exc}", key=key)
+
+    def _call(self, op: str, key: str | None, method: Callable[..., Any], **kwargs: Any) -> Any:
+        try:
+            return method(Bucket=self.bucket, **kwargs)
+        except Exception as exc:
+            raise self._error(exc, op, key) from exc
+
+    def _read_body(self, op: str, key: str, response: dict[str, Any]) -> bytes:
+        body = response["Body"]
+        try:
+            return body.read()
+        except Exception as exc:
+            raise self._error(exc, op, key) from exc
+        finally:
+            body.close()
+
+    def _check_bucket(self, op: str, key: str | None) -> None:
+        """Raise BucketNotFound if the bucket is missing (checked at most once
+        successfully per backend)."""
+        if self._bucket_confirmed:
+            return
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except botocore.exceptions.ClientError as exc:
+            error = self._error(exc, op, key)
+            if isinstance(error, NotFound):
+                raise BucketNotFound(
+                    f"{op} {self._where(key)}: bucket {self.bucket} does not exist", key=key
+                ) from exc
+            raise error from exc
+        except Exception as exc:
+            raise self._error(exc, op, key) from exc
+        self._bucket_confirmed = True
+
+    def _head(self, op: str, key: str) -> dict[str, Any] | None:
+        """HeadObject; None if the key does not exist (bucket checked)."""
+        try:
+            return self._call(op, key, self.client.head_object, Key=self._full(key))
+        except NotFound:
+            self._check_bucket(op, key)
+            return None
+
+    def _create_bucket(self) -> None:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket}
+        if (self.region or "") not in DEFAULT_REGIONS:
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.region}
+        logger.info("creating missing bucket %s (versioned=%s)", self.bucket, self.versioned)
+        try:
+            self.client.create_bucket(**kwargs)
+        except botocore.exceptions.ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
+            if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise self._error(exc, "create bucket", None) from exc
+        except Exception as exc:
+            raise self._error(exc, "create bucket", None) from exc
+        if self.versioned:
+            self._call(
+                "enable versioning on",
+                None,
+                self.client.put_bucket_versioning,
+                VersioningConfiguration={"Status": "Enabled"},
+            )
+
+    def _write(self, op: str, key: str, method: Callable[..., Any], **kwargs: Any) -> Any:
+        """A write, creating the bucket on demand if so configured."""
+        try:
+            return self._call(op, key, method, **kwargs)
+        except BucketNotFound:
+            if not self.create_bucket_on_demand:
+                raise
+        self._create_bucket()
+        return self._call(op, key, method, **kwargs)
+
+    # -- Backend ---------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        response = self._call("get", key, self.client.get_object, Key=self._full(key))
+        return self._read_body("get", key, response)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        full = self._full(key)
+        check_range(start, end)
+        if start == end:
+            if self._head("get range of", key) is None:
+                raise NotFound(f"get range of {self._where(key)}: not found", key=key)
+            return b""
+        try:
+            response = self._call(
+                "get range of", key, self.client.get_object, Key=full, Range=f"bytes={start}-{end - 1}"
+            )
+        except StoreError as err:
+            cause = err.__cause__
+            if isinstance(cause, botocore.exceptions.ClientError):
+                code = str(cause.response.get("Error", {}).get("Code", ""))
+                if code in RANGE_NOT_SATISFIABLE_CODES:
+                    return b""  # the range starts at or past the end
+            raise
+        data = self._read_body("get range of", key, response)
+        # A server ignoring Range would answer 200 with the whole object.
+        if response.get("ContentRange") is None and len(data) > end - start:
+            data = data[start:end]
+        return data
+
+    def put(self, key: str, data: bytes) -> None:
+        self._write("put", key, self.client.put_object, Key=self._full(key), Body=data)
+        logger.debug("put %s (%d bytes)", self._where(key), len(data))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        full = self._full(key)
+        try:
+            self._write("put", key, self.client.put_object, Key=full, Body=data, IfNoneMatch="*")
+        except StoreError as err:
+            cause = err.__cause__
+            if isinstance(cause, botocore.exceptions.ClientError):
+                code = str(cause.response.get("Error", {}).get("Code", ""))
+                status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if code in PRECONDITION_CODES or status == 412:
+                    return False
+            raise
+        logger.debug("put_if_absent %s (%d bytes)", self._where(key), len(data))
+        return True
+
+    def exists(self, key: str) -> bool:
+        return self._head("check", key) is not None
+
+    def delete(self, key: str) -> None:
+        self._call("delete", key, self.client.delete_object, Key=self._full(key))
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        check_prefix(prefix)
+        return self._list(prefix)
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        strip = len(self.prefix)
+        kwargs: dict[str, Any] = {
+            "Prefix": self.prefix + prefix,
+            "MaxKeys": self.page_size,
+            # Keys with a further "/" belong to someone else (or to the other
+            # half of a single-bucket store); S3 folds them into CommonPrefixes.
+            "Delimiter": "/",
+        }
+        while True:
+            page = self._call("list", None, self.client.list_objects_v2, **kwargs)
+            for item in page.get("Contents", ()):
+                key = item["Key"][strip:]
+                try:
+                    check_key(key)
+                except InvalidKey:
+                    logger.debug("list %s: skipping foreign key %r", self.describe(), item["Key"])
+                    continue
+                yield ObjectInfo(key, int(item.get("Size", 0)), item["LastModified"].timestamp())
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+            kwargs["ContinuationToken"] = token
+
+    def list_versions(self, key: str) -> list[VersionInfo]:
+        full = self._full(key)
+        kwargs: dict[str, Any] = {"Prefix": full, "MaxKeys": self.page_size}
+        versions: list[VersionInfo] = []
+        while True:
+            page = self._call("list versions of", key, self.client.list_object_versions, **kwargs)
+            past_key = False
+            for item in page.get("Versions", ()):
+                if item["Key"] == full:
+                    versions.append(
+                        VersionInfo(
+                            key,
+                            str(item.get("VersionId") or "null"),
+                            int(item.get("Size", 0)),
+                            item["LastModified"].timestamp(),
+                            bool(item.get("IsLatest")),
+                        )
+                    )
+                elif item["Key"] > full:
+                    past_key = True
+            # Versions come grouped by key in key order: once a longer key
+            # sharing the prefix shows up, ours is done.
+            for item in page.get("DeleteMarkers", ()):
+                if item["Key"] > full:
+                    past_key = True
+            if past_key or not page.get("IsTruncated"):
+                return versions
+            kwargs["KeyMarker"] = page.get("NextKeyMarker")
+            kwargs["VersionIdMarker"] = page.get("NextVersionIdMarker")
+
+    def get_version(self, key: str, version_id: str) -> bytes:
+        try:
+            response = self._call(
+                "get version", key, self.client.get_object, Key=self._full(key), VersionId=version_id
+            )
+        except StoreError as err:
+            cause = err.__cause__
+            if isinstance(cause, botocore.exceptions.ClientError):
+                code = str(cause.response.get("Error", {}).get("Code", ""))
+                if code == "InvalidArgument":  # S3's answer to a malformed version id
+                    raise NotFound(
+                        f"get version {self._where(key)}: no version {version_id!r}", key=key
+                    ) from cause
+            raise
+        return self._read_body("get version", key, response)
+
+    def touch(self, key: str) -> None:
+        full = self._full(key)
+        self._call(
+            "touch",
+            key,
+            self.client.copy_object,
+            Key=full,
+            CopySource={"Bucket": self.bucket, "Key": full},
+            MetadataDirective="REPLACE",
+        )
