@@ -213,6 +213,21 @@ def test_base_chunk_xor(n_base):
     assert rebuild(got, blobs) == data
 
 
+def test_encode_with_base_chunk():
+    data = db_bytes(4, 10, seed=5)
+    m, blobs = fmt.snapshot_of(data)
+    base = bytes(range(48))
+    based = fmt.Manifest(**{**m.__dict__, "base_chunks_fprint": fmt.fingerprint(base)})
+    blob = fmt.encode_manifest(based, base=base)
+    top = manifest_pb2.Manifest.FromString(blob)
+    assert list(top.v1.chunks)[6:] == [w for fp in m.chunks for w in fp][6:]
+    assert list(top.v1.chunks)[:6] != [w for fp in m.chunks for w in fp][:6]
+    got = fmt.decode_and_validate(blob, fetch_chunk=lambda fp: base)
+    assert got.chunks == m.chunks and rebuild(got, blobs) == data
+    with pytest.raises(ValueError):
+        fmt.encode_manifest(based)
+
+
 def test_rule_base_chunk():
     m, data, blobs, blob, store = _xor_manifest([1, 2, 3, 4])
     _refused(blob, "base-chunk")  # nothing to fetch it with

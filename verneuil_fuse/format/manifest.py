@@ -84,8 +84,20 @@ def _set_fp(msg, fp: Fprint) -> None:
     msg.major, msg.minor = fp
 
 
-def encode_manifest(m: Manifest) -> bytes:
-    """Serialise to raw (uncompressed) protobuf bytes, Verneuil's layout."""
+def xor_words(words: list[int], base: bytes) -> list[int]:
+    """`words` XOR-ed with the u64 words of `base`, zero-padded (FORMAT.md)."""
+    n = min(len(base) // 8, len(words))
+    base_words = struct.unpack("<%dQ" % n, base[:8 * n])
+    return [w ^ base_words[i] for i, w in enumerate(words[:n])] + words[n:]
+
+
+def encode_manifest(m: Manifest, base: Optional[bytes] = None) -> bytes:
+    """Serialise to raw (uncompressed) protobuf bytes, Verneuil's layout.
+
+    `m.chunks` is always the real chunk list; when `m.base_chunks_fprint` is
+    set, `base` (that chunk's bytes) must be given and the stored list is
+    XOR-ed with it.
+    """
     top = manifest_pb2.Manifest()
     v1 = top.v1
     _set_fp(v1.header_fprint, m.header_fprint)
@@ -97,7 +109,12 @@ def encode_manifest(m: Manifest) -> bytes:
     if m.base_chunks_fprint is not None:
         _set_fp(v1.base_chunks_fprint, m.base_chunks_fprint)
     v1.generated_by = m.generated_by
-    v1.chunks.extend(w for fp in m.chunks for w in fp)
+    words = [w for fp in m.chunks for w in fp]
+    if m.base_chunks_fprint is not None:
+        if base is None or fingerprint(base, CHUNK_KEY) != m.base_chunks_fprint or len(base) % 16:
+            raise ValueError("encode_manifest needs the base chunk's bytes (a multiple of 16)")
+        words = xor_words(words, base)
+    v1.chunks.extend(words)
     for index in sorted(m.bundled):
         b = v1.bundled_chunks.add()
         b.chunk_index = index
@@ -209,10 +226,7 @@ def decode_and_validate(blob: bytes,
             raise ManifestError("base-chunk", "base chunk %s has other bytes" % base_fp.name)
         if len(base) % 16:
             raise ManifestError("base-chunk", "base chunk length %d is not a multiple of 16" % len(base))
-        nbase = min(len(base) // 8, len(words))
-        base_words = struct.unpack("<%dQ" % nbase, base[:8 * nbase])
-        for i in range(nbase):
-            words[i] ^= base_words[i]
+        words = xor_words(words, base)
     chunks = [Fprint(words[i], words[i + 1]) for i in range(0, len(words), 2)]
     contents = _fp(v1.contents_fprint)
     if contents_fprint_of(chunks) != contents:

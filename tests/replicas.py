@@ -1,0 +1,222 @@
+"""Test helper: publish a snapshot of a database file straight into a Store.
+
+It writes the same blobs a writer + copier would (FORMAT.md): every chunk but
+chunk 0 and the zero chunk uploaded (zstd or raw), the manifest (zstd or raw)
+with chunk 0 bundled, under the manifest name of ``(hostname, path)``.
+"""
+from __future__ import annotations
+
+import os
+import random
+import sqlite3
+import time
+from typing import NamedTuple
+
+from verneuil_fuse.format import (
+    Fprint,
+    Manifest,
+    compress_chunk,
+    compress_manifest,
+    encode_manifest,
+    manifest_name,
+    snapshot_of,
+)
+
+HOST = "testhost"
+
+
+class Published(NamedTuple):
+    key: str
+    manifest: Manifest
+    chunks: dict[Fprint, bytes]
+    data: bytes
+
+
+def publish(
+    store,
+    data: bytes,
+    path: str,
+    *,
+    hostname: str = HOST,
+    compress: bool = True,
+    ctime: float | None = None,
+) -> Published:
+    """Upload a snapshot of ``data`` as the replica of ``hostname:path``."""
+    now = time.time() if ctime is None else ctime
+    manifest, chunks = snapshot_of(data, ctime=int(now), ctime_ns=int((now % 1) * 1e9))
+    for fp, raw in chunks.items():
+        store.chunks.put(fp.name, compress_chunk(raw) if compress else raw)
+    blob = encode_manifest(manifest)
+    key = manifest_name(path, hostname)
+    store.manifests.put(key, compress_manifest(blob) if compress else blob)
+    return Published(key, manifest, chunks, bytes(data))
+
+
+def publish_file(store, db_path: str, **kw) -> Published:
+    with open(db_path, "rb") as f:
+        data = f.read()
+    return publish(store, data, os.path.realpath(db_path), **kw)
+
+
+def make_db(path: str, rows: int, *, seed: int = 0, page_size: int = 4096, payload: int = 200,
+            index: bool = True) -> None:
+    """A SQLite database (rollback journal) with a table ``t(id, k, v)`` of
+    ``rows`` rows, random keys ``k`` (indexed) and ``payload``-byte values."""
+    rng = random.Random(seed)
+    if os.path.exists(path):
+        os.unlink(path)
+    con = sqlite3.connect(path)
+    con.execute("PRAGMA page_size=%d" % page_size)
+    con.execute("PRAGMA journal_mode=DELETE")
+    con.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, k TEXT, v BLOB)")
+    if index:
+        con.execute("CREATE INDEX t_k ON t(k)")
+    batch = []
+    for i in range(rows):
+        batch.append((i, "%016x" % rng.getrandbits(64), rng.randbytes(payload)))
+        if len(batch) == 5000:
+            con.executemany("INSERT INTO t VALUES (?, ?, ?)", batch)
+            batch.clear()
+    con.executemany("INSERT INTO t VALUES (?, ?, ?)", batch)
+    con.commit()
+    con.close()
+
+
+# ------------------------------------------------------------------ mounting
+FUSERMOUNT = "fusermount3"
+
+
+def fuse_unavailable() -> str | None:
+    """Why real mounts cannot run here (None if they can)."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return "mount tests need root"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    if shutil.which(FUSERMOUNT) is None:
+        return "no fusermount3"
+    return None
+
+
+def is_mounted(path: str) -> bool:
+    path = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and fields[4].replace("\\040", " ") == path:
+                return True
+    return False
+
+
+def unmount(path: str) -> None:
+    import subprocess
+
+    if is_mounted(path):
+        subprocess.run([FUSERMOUNT, "-u", "-z", path], timeout=20, capture_output=True)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError("timed out after %.0fs waiting for %s" % (timeout, what))
+        time.sleep(interval)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop_pid(pid: int, timeout: float = 10.0) -> None:
+    """Wait (bounded) for a process to end; SIGTERM then SIGKILL it if not."""
+    import signal
+
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None and pid_alive(pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                return
+        try:
+            wait_for(lambda: not pid_alive(pid), timeout, "pid %d to exit" % pid)
+            return
+        except TimeoutError:
+            continue
+
+
+class Mount:
+    """``verneuil SOURCE MNT -f -o OPTIONS`` in a subprocess (the foreground
+    mode, so the test knows the PID); `stop` always unmounts (lazily) and
+    ends the process."""
+
+    def __init__(self, source: str, mountpoint: str, options: str = "", log_path: str | None = None):
+        self.source = source
+        self.mountpoint = os.path.realpath(mountpoint)
+        self.options = options
+        self.log_path = log_path or mountpoint.rstrip("/") + ".log"
+        self.proc = None
+
+    def start(self, timeout: float = 30.0) -> "Mount":
+        import subprocess
+        import sys
+
+        os.makedirs(self.mountpoint, exist_ok=True)
+        cmd = [sys.executable, "-m", "verneuil_fuse.mount", self.source, self.mountpoint, "-f"]
+        if self.options:
+            cmd += ["-o", self.options]
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        log.close()
+        try:
+            wait_for(lambda: is_mounted(self.mountpoint) or self.proc.poll() is not None, timeout, "the mount")
+        except TimeoutError:
+            self.stop()
+            raise
+        if self.proc.poll() is not None:
+            raise RuntimeError("verneuil exited with %s: %s" % (self.proc.returncode, self.log_tail()))
+        return self
+
+    def log_tail(self, size: int = 3000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-size:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.mountpoint, *[p.lstrip("/") for p in parts])
+
+    def stats(self) -> dict:
+        import json
+
+        with open(self.path(".verneuil", "stats")) as f:
+            return json.load(f)
+
+    def stop(self) -> None:
+        try:
+            unmount(self.mountpoint)
+        finally:
+            if self.proc is not None:
+                try:
+                    self.proc.wait(timeout=10)
+                except Exception:  # noqa: BLE001
+                    stop_pid(self.proc.pid, 5)
+                    self.proc.wait(timeout=5)
+
+    def __enter__(self) -> "Mount":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

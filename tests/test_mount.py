@@ -1,0 +1,340 @@
+"""Real FUSE mounts of a directory store: one mount, many checks.
+
+Every wait is bounded; teardown always unmounts (`fusermount3 -u -z`) and
+ends the process it started, by PID.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from replicas import (
+    HOST,
+    Mount,
+    fuse_unavailable,
+    is_mounted,
+    make_db,
+    pid_alive,
+    publish,
+    stop_pid,
+    unmount,
+    wait_for,
+)
+from verneuil_fuse.format import CHUNK_SIZE, manifest_name
+
+pytestmark = [pytest.mark.fuse, pytest.mark.timeout(180)]
+if fuse_unavailable():
+    pytestmark.append(pytest.mark.skip(reason=fuse_unavailable()))
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Env:
+    """The store, the sources published into it, and the mount."""
+
+    def __init__(self, root):
+        from verneuil_fuse.store import open_store
+
+        self.root = str(root)
+        self.store_dir = os.path.join(self.root, "store")
+        self.store = open_store("file://" + self.store_dir)
+        self.sources: dict[str, bytes] = {}  # path in the mount -> bytes
+        self.mount: Mount | None = None
+
+    def add_db(self, name: str, rows: int, *, host: str = HOST, seed: int = 0, **kw) -> str:
+        path = os.path.join(self.root, "src", name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        make_db(path, rows, seed=seed, **kw)
+        return self.add_bytes(open(path, "rb").read(), "/data/" + name, host=host)
+
+    def add_bytes(self, data: bytes, path: str, *, host: str = HOST) -> str:
+        publish(self.store, data, path, hostname=host)
+        where = "/%s%s" % (host, path)
+        self.sources[where] = data
+        return where
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    e = Env(tmp_path_factory.mktemp("mount"))
+    e.add_db("big.db", 12000, seed=1)
+    e.add_db("small.db", 300, seed=2)
+    e.add_db("seq.db", 8000, seed=3, payload=300)
+    e.add_db("point.db", 60000, seed=4, payload=100)
+    e.add_db("x.db", 2000, host="other-host", seed=5)
+    e.add_db("v.db", 3000, seed=6)
+    e.add_db("gone.db", 100, seed=7)
+    # Damaged replicas: one chunk corrupted, one chunk missing.
+    for name in ("corrupt.db", "missing.db"):
+        data = os.urandom(5 * CHUNK_SIZE)
+        where = e.add_bytes(b"SQLite format 3\x00" + data[16:], "/data/" + name)
+        pub_fp = _chunk_fp(e, where, 2)
+        if name == "corrupt.db":
+            e.store.chunks.put(pub_fp.name, os.urandom(CHUNK_SIZE))
+        else:
+            e.store.chunks.delete(pub_fp.name)
+    e.mount = Mount(
+        "file://" + e.store_dir,
+        os.path.join(e.root, "mnt"),
+        "cache_dir=%s,refresh=0.5,retries=1,timeout=5,log_level=info,log_file=%s"
+        % (os.path.join(e.root, "cache"), os.path.join(e.root, "verneuil.log")),
+    )
+    e.mount.start()
+    try:
+        yield e
+    finally:
+        e.mount.stop()
+        e.store.close()
+
+
+def _chunk_fp(e: Env, where: str, index: int):
+    from verneuil_fuse.format import snapshot_of
+
+    m, _ = snapshot_of(e.sources[where])
+    return m.chunks[index]
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_tree_and_attributes(env):
+    m = env.mount
+    assert sorted(os.listdir(m.mountpoint)) == [".verneuil", "other-host", HOST]
+    listing = os.listdir(m.path(HOST, "data"))
+    assert sorted(listing) == sorted(p.rsplit("/", 1)[1] for p in env.sources if p.startswith("/" + HOST))
+    assert os.listdir(m.path(HOST, "data")) == listing  # stable order
+    assert os.listdir(m.path("other-host", "data")) == ["x.db"]
+    for where, data in env.sources.items():
+        st = os.stat(m.path(where))
+        assert st.st_size == len(data)
+        assert abs(st.st_mtime - time.time()) < 600
+        assert st.st_mode & 0o777 == 0o444
+    assert os.stat(m.path(HOST, "data")).st_mode & 0o777 == 0o555
+    with pytest.raises(FileNotFoundError):
+        os.stat(m.path(HOST, "data", "nope.db"))
+
+
+def test_bytes_equal_source(env):
+    for where in ("/%s/data/big.db" % HOST, "/%s/data/small.db" % HOST, "/other-host/data/x.db"):
+        assert _read(env.mount.path(where)) == env.sources[where]
+
+
+def test_sqlite_shell_and_python(env):
+    path = env.mount.path(HOST, "data", "big.db")
+    out = subprocess.run(
+        ["sqlite3", "file:%s?mode=ro" % path, "PRAGMA integrity_check; SELECT count(*) FROM t;"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok", "12000"]
+    for uri in ("file:%s?mode=ro" % path, "file:%s?immutable=1" % path):
+        con = sqlite3.connect(uri, uri=True)
+        try:
+            assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+            assert con.execute("SELECT count(*) FROM t WHERE k < '8'").fetchone()[0] > 0
+        finally:
+            con.close()
+
+
+def test_read_only(env):
+    path = env.mount.path(HOST, "data", "small.db")
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC):
+        with pytest.raises(OSError) as err:
+            os.close(os.open(path, flags))
+        assert err.value.errno in (errno.EROFS, errno.EACCES)
+    with pytest.raises(OSError) as err:
+        os.mkdir(env.mount.path(HOST, "newdir"))
+    assert err.value.errno in (errno.EROFS, errno.EACCES)
+    with pytest.raises(OSError) as err:
+        os.unlink(path)
+    assert err.value.errno in (errno.EROFS, errno.EACCES)
+
+
+def test_stats(env):
+    stats = env.mount.stats()
+    assert stats["mount"]["pid"] == env.mount.proc.pid
+    assert stats["fetch"]["gets"] > 0
+    db = stats["databases"]["/%s/data/big.db" % HOST]
+    assert db["len"] == len(env.sources["/%s/data/big.db" % HOST]) and len(db["version"]) == 32
+    for key in ("mem_hits", "disk_hits", "prefetch_hits", "prefetch_waste", "get_bytes"):
+        assert key in stats["fetch"]
+
+
+def test_open_handle_keeps_its_version(env):
+    m = env.mount
+    where = "/%s/data/v.db" % HOST
+    old = env.sources[where]
+    f = open(m.path(where), "rb")
+    try:
+        assert f.read(4096) == old[:4096]
+        ino = os.fstat(f.fileno()).st_ino
+        new = old[: 2 * CHUNK_SIZE] + os.urandom(len(old) - 2 * CHUNK_SIZE + CHUNK_SIZE)
+        env.add_bytes(new, "/data/v.db")
+
+        def sees_new():
+            with open(m.path(where), "rb") as g:
+                return os.fstat(g.fileno()).st_ino != ino and g.read() == new
+
+        wait_for(sees_new, 20, "the new version")
+        f.seek(0)
+        assert f.read() == old  # every byte of the old version, none of the new
+        assert os.fstat(f.fileno()).st_size == len(old)
+    finally:
+        f.close()
+        env.sources[where] = new
+    assert os.stat(m.path(where)).st_size == len(new)
+
+
+def test_removed_database_disappears(env):
+    m = env.mount
+    path = m.path(HOST, "data", "gone.db")
+    assert os.path.exists(path)
+    env.store.manifests.delete(manifest_name("/data/gone.db", HOST))
+    del env.sources["/%s/data/gone.db" % HOST]
+    wait_for(lambda: not os.path.exists(path), 20, "gone.db to disappear")
+    assert "gone.db" not in os.listdir(m.path(HOST, "data"))
+
+
+@pytest.mark.parametrize("name", ["corrupt.db", "missing.db"])
+def test_bad_chunk_is_eio_never_wrong_bytes(env, name):
+    where = "/%s/data/%s" % (HOST, name)
+    data = env.sources[where]
+    fd = os.open(env.mount.path(where), os.O_RDONLY)
+    try:
+        assert os.pread(fd, CHUNK_SIZE, CHUNK_SIZE) == data[CHUNK_SIZE : 2 * CHUNK_SIZE]
+        with pytest.raises(OSError) as err:
+            os.pread(fd, 4096, 2 * CHUNK_SIZE + 100)
+        assert err.value.errno == errno.EIO
+        assert os.pread(fd, 4096, 3 * CHUNK_SIZE) == data[3 * CHUNK_SIZE : 3 * CHUNK_SIZE + 4096]
+    finally:
+        os.close(fd)
+    assert "giving up on chunk" in open(os.path.join(env.root, "verneuil.log")).read()
+
+
+def test_concurrent_random_reads(env):
+    wheres = ["/%s/data/%s" % (HOST, n) for n in ("big.db", "small.db", "point.db", "seq.db")]
+    wheres.append("/other-host/data/x.db")
+    errors: list[str] = []
+    counts = [0] * 16
+    stop_at = time.monotonic() + 5.0
+
+    def worker(i: int) -> None:
+        rng = random.Random(i)
+        fds = {w: os.open(env.mount.path(w), os.O_RDONLY) for w in wheres}
+        try:
+            while time.monotonic() < stop_at and not errors:
+                w = rng.choice(wheres)
+                data = env.sources[w]
+                off = rng.randrange(len(data))
+                size = rng.choice((1, 100, 4096, 65536, 200000))
+                got = os.pread(fds[w], size, off)
+                if got != data[off : off + size]:
+                    errors.append("%s [%d, +%d): wrong bytes" % (w, off, size))
+                counts[i] += 1
+        except Exception as e:  # noqa: BLE001
+            errors.append("%s: %r" % (w, e))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert all(c > 0 for c in counts)
+
+
+def test_sequential_read_prefetches(env):
+    where = env.add_db("seq-cold.db", 8000, seed=8, payload=300)
+    path = env.mount.path(where)
+    wait_for(lambda: os.path.exists(path), 20, "seq-cold.db")
+    before = env.mount.stats()["fetch"]
+    with open(path, "rb", buffering=0) as f:
+        got = b"".join(iter(lambda: f.read(1 << 20), b""))
+    assert got == env.sources[where]
+    after = env.mount.stats()["fetch"]
+    nchunks = -(-len(got) // CHUNK_SIZE) - 1  # chunk 0 is bundled
+    fetched = after["store_fetches"] - before["store_fetches"]
+    hits = after["prefetch_hits"] - before["prefetch_hits"]
+    assert fetched <= nchunks  # nothing fetched twice
+    assert hits >= nchunks // 2, (hits, nchunks)
+
+
+def test_cold_point_query_gets(env):
+    """A point query on a cold replica costs one GET per b-tree level outside
+    chunk 0 (target: at most 4)."""
+    where = "/%s/data/point.db" % HOST
+    # point.db was read by the random-read test: publish a fresh copy elsewhere.
+    data = env.sources[where]
+    fresh = env.add_bytes(data, "/data/point-cold.db")
+    path = env.mount.path(fresh)
+    wait_for(lambda: os.path.exists(path), 20, "point-cold.db")
+    before = env.mount.stats()["fetch"]["gets"]
+    con = sqlite3.connect("file:%s?mode=ro" % path, uri=True)
+    try:
+        row = con.execute("SELECT id, length(v) FROM t WHERE id = ?", (43210,)).fetchone()
+    finally:
+        con.close()
+    assert row == (43210, 100)
+    gets = env.mount.stats()["fetch"]["gets"] - before
+    assert gets <= 4, gets
+
+
+def test_mount_helper_and_fstab(env):
+    """`mount -t fuse.verneuil` and an fstab line (`mount -T`) mount it,
+    `umount` ends it."""
+    subprocess.run(
+        [os.path.join(REPO, "scripts", "install-mount-helper.sh"), sys.prefix],
+        check=True, capture_output=True, timeout=30,
+    )
+    mnt = os.path.join(env.root, "mnt2")
+    os.makedirs(mnt, exist_ok=True)
+    source = "file://" + env.store_dir
+    opts = "cache_dir=%s" % os.path.join(env.root, "cache2")
+    fstab = os.path.join(env.root, "fstab")
+    with open(fstab, "w") as f:
+        f.write("%s %s fuse.verneuil ro,allow_other,_netdev,nofail,%s 0 0\n" % (source, mnt, opts))
+    for cmd in (["mount", "-t", "fuse.verneuil", source, mnt, "-o", "ro," + opts], ["mount", "-T", fstab, mnt]):
+        pid = None
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            assert is_mounted(mnt)  # live as soon as mount(8) returns
+            with open(os.path.join(mnt, ".verneuil", "stats")) as f:
+                pid = json.load(f)["mount"]["pid"]
+            small = "/%s/data/small.db" % HOST
+            assert _read(os.path.join(mnt, small.lstrip("/"))) == env.sources[small]
+            out = subprocess.run(["umount", mnt], capture_output=True, text=True, timeout=30)
+            assert out.returncode == 0, out.stderr
+            wait_for(lambda: not pid_alive(pid), 15, "the daemon to exit after umount")
+        finally:
+            unmount(mnt)
+            if pid is not None:
+                stop_pid(pid, 5)
+
+
+def test_sigterm_unmounts(env):
+    mnt = os.path.join(env.root, "mnt3")
+    m = Mount("file://" + env.store_dir, mnt, "cache_dir=%s" % os.path.join(env.root, "cache3"))
+    m.start()
+    try:
+        assert os.listdir(m.mountpoint)
+        m.proc.terminate()
+        assert m.proc.wait(timeout=15) == 0
+        assert not is_mounted(m.mountpoint)
+    finally:
+        m.stop()

@@ -1,0 +1,217 @@
+"""Catalog (tree, versions, freshness) and Replica (reads, prefetch), no FUSE."""
+from __future__ import annotations
+
+import os
+import random
+
+import trio
+
+from replicas import make_db, publish
+from verneuil_fuse.catalog import Catalog, Directory, display_path
+from verneuil_fuse.fetcher import Fetcher
+from verneuil_fuse.format import CHUNK_SIZE, manifest_name
+from verneuil_fuse.replica import Cursor, PrefetchConfig, Replica
+
+
+def test_display_paths():
+    assert display_path(manifest_name("/tmp/test.db", "test.com")) == ("test.com", ["tmp", "test.db"])
+    assert display_path(manifest_name("/a//b/./c/../d.db", "h")) == ("h", ["a", "b", "c", "%2E%2E", "d.db"])
+    assert display_path("not a manifest name") is None
+    # Mangled names keep whole components at both ends and a stable mark.
+    long_dir = "/srv/" + "/".join("directory%02d" % i for i in range(30))
+    host, parts = display_path(manifest_name(long_dir + "/app/data.db", "web-1"))
+    assert host == "web-1" and parts[0] == "srv" and parts[-2:] == ["app", "data.db"]
+    assert any(p.startswith("\u2026") and p.endswith("\u2026") for p in parts)
+    assert "/".join(parts) != "/".join(display_path(manifest_name(long_dir + "x/app/data.db", "web-1"))[1])
+    # One very long file name.
+    host, parts = display_path(manifest_name("/d/" + "n" * 300 + ".db", "h"))
+    assert parts[0] == "d" and parts[-1].endswith("nnn.db") and len(parts) == 2
+
+
+def run(store, fn, **kw):
+    async def main():
+        fetcher = Fetcher(store, None, concurrency=8)
+        async with trio.open_nursery() as nursery:
+            fetcher.bind(nursery)
+            catalog = Catalog(fetcher, **kw)
+            catalog.bind(nursery)
+            result = await fn(catalog)
+            nursery.cancel_scope.cancel()
+        return result
+
+    return trio.run(main)
+
+
+def test_tree_versions_and_removal(local_store):
+    a1 = publish(local_store, os.urandom(3 * CHUNK_SIZE + 5), "/var/db/a.db", hostname="h1")
+    b = publish(local_store, os.urandom(100), "/var/db/b.db", hostname="h1")
+    publish(local_store, os.urandom(200), "/x.db", hostname="h2")
+
+    async def go(cat: Catalog):
+        await cat.refresh(raise_errors=True)
+        assert [n for n, _ in cat.listdir(1)] == [".verneuil", "h1", "h2"]
+        var = cat.lookup(cat.lookup(cat.lookup(1, "h1").inode, "var").inode, "db")
+        assert isinstance(var, Directory)
+        assert [n for n, _ in cat.listdir(var.inode)] == ["a.db", "b.db"]
+        r1 = cat.lookup(var.inode, "a.db")
+        assert isinstance(r1, Replica) and r1.size == len(a1.data)
+        assert await r1.read(0, 1 << 20) == a1.data
+        cat.opened(r1)
+        cat.remember(r1)
+        # Same bytes uploaded again: same version, same inode.
+        publish(local_store, a1.data, "/var/db/a.db", hostname="h1")
+        await cat.refresh()
+        assert cat.lookup(var.inode, "a.db") is r1
+        # A new version: a new inode for lookups; the old one still reads old bytes.
+        a2 = publish(local_store, os.urandom(2 * CHUNK_SIZE), "/var/db/a.db", hostname="h1")
+        await cat.refresh()
+        r2 = cat.lookup(var.inode, "a.db")
+        assert r2 is not r1 and r2.inode != r1.inode and r2.size == len(a2.data)
+        assert cat.get(r1.inode) is r1
+        assert await r1.read(0, 1 << 20) == a1.data
+        assert await r2.read(0, 1 << 20) == a2.data
+        cat.released(r1)
+        assert cat.get(r1.inode) is r1  # the kernel still remembers it
+        cat.forget(r1.inode, 1)
+        assert cat.get(r1.inode) is None
+        # Removed from the store: gone from the tree, empty dirs pruned.
+        local_store.manifests.delete(b.key)
+        local_store.manifests.delete(a2.key)
+        await cat.refresh()
+        assert [n for n, _ in cat.listdir(1)] == [".verneuil", "h2"]
+        assert cat.get(r2.inode) is None
+        stats = cat.stats()
+        assert set(stats["databases"]) == {"/h2/x.db"}
+        assert stats["refresh"]["versions_seen"] == 4
+
+    run(local_store, go)
+
+
+def test_bad_manifest_is_skipped(local_store):
+    publish(local_store, os.urandom(100), "/ok.db")
+    local_store.manifests.put(manifest_name("/bad.db", "testhost"), b"garbage")
+
+    async def go(cat):
+        await cat.refresh()
+        names = [n for n, _ in cat.listdir(cat.lookup(1, "testhost").inode)]
+        assert names == ["ok.db"] and cat.poll_errors == 1
+
+    run(local_store, go)
+
+
+def test_reads_zero_chunks_and_eof(local_store):
+    data = os.urandom(CHUNK_SIZE) + bytes(2 * CHUNK_SIZE) + os.urandom(1000)
+    pub = publish(local_store, data, "/z.db")
+
+    async def go(cat):
+        await cat.refresh()
+        r = next(e.current for e in cat.entries.values())
+        rng = random.Random(1)
+        for _ in range(300):
+            off = rng.randrange(len(data) + 10)
+            size = rng.randrange(1, 3 * CHUNK_SIZE)
+            assert await r.read(off, size) == data[off:off + size]
+        assert await r.read(len(data), 10) == b""
+        assert cat.fetcher.stats["gets"] == 1  # chunk 0 bundled, zeros synthesised
+
+    run(local_store, go)
+
+
+def _scan_db(tmp_path, store):
+    path = str(tmp_path / "scan.db")
+    make_db(path, 6000, payload=300)
+    data = open(path, "rb").read()
+    return publish(store, data, "/scan.db")
+
+
+def test_sequential_readahead(tmp_path, local_store):
+    pub = _scan_db(tmp_path, local_store)
+
+    async def go(cat):
+        await cat.refresh()
+        r = next(e.current for e in cat.entries.values())
+        cursor = Cursor()
+        for off in range(0, r.size, 128 * 1024):
+            assert await r.read(off, 128 * 1024, cursor) == pub.data[off:off + 128 * 1024]
+        return cat.fetcher.snapshot()
+
+    stats = run(local_store, go, prefetch=PrefetchConfig(btree=False))
+    assert stats["prefetch_hits"] > 0.7 * stats["store_fetches"]
+    assert stats["store_fetches"] == len(pub.chunks)  # nothing fetched twice
+
+
+def test_btree_prefetch_follows_a_scan_not_a_point_query(tmp_path, local_store):
+    pub = _scan_db(tmp_path, local_store)
+    data = pub.data
+
+    async def go(cat):
+        await cat.refresh()
+        r = next(e.current for e in cat.entries.values())
+        bt = r._btree
+        ps = bt.page_size
+        # Learn every interior page (as reads of them would).
+        for i in range(r.nchunks):
+            await r.read(i * CHUNK_SIZE, 1)
+        parent = max(bt.children, key=lambda p: len(bt.children[p]))
+        kids = bt.children[parent]
+        assert len(kids) > 8
+        # A point query: one child. No prefetch.
+        before = cat.fetcher.stats["prefetch_requested"]
+        await r.read((kids[3] - 1) * ps, ps, Cursor())
+        assert cat.fetcher.stats["prefetch_requested"] == before
+        # A scan: consecutive children, read in key order -> the next ones are asked for.
+        await r.read((kids[4] - 1) * ps, ps, Cursor())
+        assert cat.fetcher.stats["prefetch_requested"] > before
+        return True
+
+    assert run(local_store, go)
+
+
+def test_base_chunk_manifest(local_store):
+    """A chunk list stored XOR-ed with a base chunk (FORMAT.md) is read
+    through the fetcher (verified, single-flight) while decoding."""
+    import dataclasses
+    from verneuil_fuse.format import compress_manifest, encode_manifest, fingerprint, snapshot_of
+
+    data = os.urandom(5 * CHUNK_SIZE + 3)
+    manifest, chunks = snapshot_of(data)
+    for fp, raw in chunks.items():
+        local_store.chunks.put(fp.name, raw)
+    words = [w for fp in manifest.chunks for w in fp]
+    base = os.urandom(8 * (len(words) - 2))  # shorter than the list: zero-padded
+    base_fp = fingerprint(base)
+    local_store.chunks.put(base_fp.name, base)
+    stored = dataclasses.replace(manifest, base_chunks_fprint=base_fp)
+    local_store.manifests.put(manifest_name("/based.db", "h"),
+                              compress_manifest(encode_manifest(stored, base=base)))
+
+    async def go(cat):
+        await cat.refresh(raise_errors=True)
+        r = next(e.current for e in cat.entries.values())
+        assert r.manifest.chunks == manifest.chunks
+        assert await r.read(0, len(data) + 1) == data
+
+    run(local_store, go)
+
+
+def test_hydrate_fills_the_disk_cache(local_store, tmp_path):
+    from verneuil_fuse.cache import ChunkCache
+
+    pub = publish(local_store, os.urandom(6 * CHUNK_SIZE), "/h.db")
+    cache_dir = str(tmp_path / "cache")
+
+    async def main():
+        fetcher = Fetcher(local_store, ChunkCache(cache_dir, 1 << 26))
+        async with trio.open_nursery() as nursery:
+            fetcher.bind(nursery)
+            cat = Catalog(fetcher, hydrate=True)
+            cat.bind(nursery)
+            await cat.refresh()
+            with trio.fail_after(10):
+                while not all(fetcher.cache.contains(fp) for fp in pub.chunks):
+                    await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()
+        return fetcher.stats
+
+    stats = trio.run(main)
+    assert stats["gets"] == len(pub.chunks)

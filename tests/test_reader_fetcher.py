@@ -1,0 +1,206 @@
+"""Fetcher: single-flight, verification, retries, cache, prefetch (no FUSE)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import trio
+
+from replicas import publish
+from verneuil_fuse.cache import ChunkCache
+from verneuil_fuse.fetcher import FetchError, Fetcher
+from verneuil_fuse.format import compress_chunk, fingerprint
+from verneuil_fuse.store import NotFound, TransientError
+
+
+class Faulty:
+    """Wraps a Backend: counts GETs, can delay them or fail them."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.gets: list[str] = []
+        self.delay = 0.0
+        self.fail: dict[str, list] = {}  # key -> exceptions (or b"bytes") to use first
+        self.lock = threading.Lock()
+
+    def get(self, key):
+        with self.lock:
+            self.gets.append(key)
+            todo = self.fail.get(key)
+            action = todo.pop(0) if todo else None
+        if self.delay:
+            time.sleep(self.delay)
+        if isinstance(action, BaseException):
+            raise action
+        if isinstance(action, (int, float)):
+            time.sleep(action)
+        if isinstance(action, bytes):
+            return action
+        return self.inner.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class FaultyStore:
+    def __init__(self, store):
+        self.chunks = Faulty(store.chunks)
+        self.manifests = store.manifests
+        self.url = store.url
+
+
+@pytest.fixture
+def chunks(local_store):
+    data = os.urandom(65536 * 6)
+    pub = publish(local_store, data, "/db/x.db")
+    fps = [fp for i, fp in enumerate(pub.manifest.chunks) if i > 0]
+    return FaultyStore(local_store), fps, pub
+
+
+def run(fetcher, fn):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            fetcher.bind(nursery)
+            result = await fn()
+            nursery.cancel_scope.cancel()
+        return result
+
+    return trio.run(main)
+
+
+def test_single_flight(chunks):
+    store, fps, pub = chunks
+    store.chunks.delay = 0.05
+    f = Fetcher(store, None, concurrency=8)
+
+    async def go():
+        results = []
+
+        async def one():
+            results.append(await f.get(fps[0]))
+
+        async with trio.open_nursery() as n:
+            for _ in range(20):
+                n.start_soon(one)
+        return results
+
+    results = run(f, go)
+    assert len(results) == 20 and all(r == pub.chunks[fps[0]] for r in results)
+    assert store.chunks.gets == [fps[0].name]
+    assert f.stats["joins"] == 19
+
+
+def test_retries_then_success_and_timeouts(chunks):
+    store, fps, pub = chunks
+    store.chunks.fail[fps[0].name] = [TransientError("503"), NotFound("not yet")]
+    store.chunks.fail[fps[1].name] = [5.0]  # a GET that hangs: abandoned after the timeout
+    f = Fetcher(store, None, retries=3, timeout=0.3, backoff=0.01)
+
+    async def go():
+        return await f.get(fps[0]), await f.get(fps[1])
+
+    start = time.monotonic()
+    a, b = run(f, go)
+    assert a == pub.chunks[fps[0]] and b == pub.chunks[fps[1]]
+    assert time.monotonic() - start < 3
+    assert f.stats["retries"] == 3 and f.stats["failed"] == 0
+
+
+def test_corrupt_or_missing_chunk_is_an_error_never_bytes(chunks, tmp_path):
+    store, fps, pub = chunks
+    other = pub.chunks[fps[1]]
+    # Wrong bytes (raw and zstd), every time: never served.
+    store.chunks.fail[fps[0].name] = [other, compress_chunk(other), b"\x28\xb5\x2f\xfdjunk"]
+    store.chunks.fail[fps[2].name] = [NotFound("gone")] * 3
+    cache = ChunkCache(str(tmp_path / "cache"), 1 << 26)
+    f = Fetcher(store, cache, retries=2, backoff=0.001)
+
+    async def go():
+        errors = []
+        for fp in (fps[0], fps[2]):
+            try:
+                await f.get(fp)
+            except FetchError as e:
+                errors.append(str(e))
+        return errors
+
+    errors = run(f, go)
+    assert len(errors) == 2 and fps[0].name in errors[0]
+    assert f.stats["corrupt"] == 3 and f.stats["failed"] == 2
+    assert cache.get(fps[0]) is None and cache.get(fps[2]) is None
+
+
+def test_disk_cache_is_verified_and_shared(chunks, tmp_path):
+    store, fps, pub = chunks
+    cache_dir = str(tmp_path / "cache")
+    f = Fetcher(store, ChunkCache(cache_dir, 1 << 26))
+
+    async def get_and_wait():
+        await f.get(fps[0])
+        with trio.fail_after(10):  # the cache write runs in the background
+            while not f.cache.contains(fps[0]):
+                await trio.sleep(0.01)
+
+    run(f, get_and_wait)
+    # A new fetcher (a remount) finds it on disk: no GET.
+    store.chunks.gets.clear()
+    g = Fetcher(store, ChunkCache(cache_dir, 1 << 26))
+    assert run(g, lambda: g.get(fps[0])) == pub.chunks[fps[0]]
+    assert store.chunks.gets == [] and g.stats["disk_hits"] == 1
+    # A damaged cache entry is dropped and refetched, never served.
+    c = ChunkCache(cache_dir)
+    c._cache.set(c._key(fps[0]), b"x" * 100)
+    h = Fetcher(store, ChunkCache(cache_dir, 1 << 26))
+    assert run(h, lambda: h.get(fps[0])) == pub.chunks[fps[0]]
+    assert store.chunks.gets == [fps[0].name]
+    assert fingerprint(pub.chunks[fps[0]]) == fps[0]
+
+
+def test_prefetch_skips_and_hits(chunks):
+    store, fps, pub = chunks
+    store.chunks.delay = 0.02
+    f = Fetcher(store, None, concurrency=4)
+
+    async def go():
+        assert f.prefetch(fps[:3]) == 3
+        assert f.prefetch(fps[:3]) == 0  # under way: not again
+        data = await f.get(fps[0])  # joins the prefetch
+        await trio.sleep(0.2)
+        assert f.prefetch(fps[:3]) == 0  # cached: not again
+        await f.get(fps[1])
+        return data
+
+    assert run(f, go) == pub.chunks[fps[0]]
+    assert sorted(store.chunks.gets) == sorted(fp.name for fp in fps[:3])
+    assert f.stats["prefetch_hits"] == 2
+    assert f.snapshot()["prefetch_waste"] == 1
+
+
+def test_demand_is_not_starved_by_prefetch(chunks):
+    store, fps, pub = chunks
+    store.chunks.delay = 0.2
+    f = Fetcher(store, None, concurrency=4, prefetch_concurrency=2)
+
+    async def go():
+        f.prefetch(fps[:4])
+        start = trio.current_time()
+        await f.get(fps[4])
+        return trio.current_time() - start
+
+    assert run(f, go) < 0.35  # not queued behind the prefetches
+
+
+def test_hydrate(chunks, tmp_path):
+    store, fps, pub = chunks
+    f = Fetcher(store, ChunkCache(str(tmp_path / "c"), 1 << 26))
+
+    async def go():
+        n = await f.hydrate(fps)
+        await trio.sleep(0.2)
+        return n
+
+    assert run(f, go) == len(set(fps))
+    cache = ChunkCache(str(tmp_path / "c"))
+    assert all(cache.get(fp) == pub.chunks[fp] for fp in fps)

@@ -1,0 +1,334 @@
+"""Chunk fetching for the reader: single-flight, verified, cached, prefetched.
+
+This is the one module of the reader that calls ``trio.to_thread``; every
+blocking call (boto3 or the local store, diskcache, zstd) runs in a worker
+thread behind a ``trio.CapacityLimiter``, so pyfuse3's request tasks never
+block.
+
+Where a chunk comes from, in order: the in-memory LRU, a flight already under
+way for the same fingerprint (single-flight: concurrent requests make one
+fetch), the local disk cache (re-verified), then the store (GET, then
+``decode_chunk`` checks the full 128-bit fingerprint; bounded retries with
+backoff, a per-attempt timeout, then ``FetchError``). Bundled chunks and the
+zero chunk never get here: replicas serve them directly.
+
+Prefetches use the same flights, but wait for one of a smaller number of
+prefetch slots, so demand reads always find store capacity; a demand read
+that joins a prefetch still waiting for its slot promotes it at once.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Iterable, TypeVar
+
+import trio
+
+from verneuil_fuse.cache import ChunkCache, MemoryLRU
+from verneuil_fuse.format import ChunkError, Fprint, chunk_name, decode_and_validate, decode_chunk
+from verneuil_fuse.store import NotFound, StoreError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class FetchError(Exception):
+    """A chunk could not be obtained (after retries): the read must fail (EIO)."""
+
+
+class _Flight:
+    __slots__ = ("event", "data", "error", "prefetch", "wait_scope", "promoted")
+
+    def __init__(self, prefetch: bool):
+        self.event = trio.Event()
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+        self.prefetch = prefetch
+        self.wait_scope: trio.CancelScope | None = None
+        self.promoted = False
+
+
+class Fetcher:
+    def __init__(
+        self,
+        store: Any,
+        cache: ChunkCache | None = None,
+        *,
+        concurrency: int = 16,
+        prefetch_concurrency: int | None = None,
+        mem_cache_bytes: int = 64 << 20,
+        retries: int = 4,
+        timeout: float = 30.0,
+        backoff: float = 0.05,
+        max_prefetch_flights: int = 512,
+    ):
+        self.store = store
+        self.cache = cache
+        self.mem = MemoryLRU(mem_cache_bytes)
+        self.retries = retries
+        self.timeout = timeout
+        self.backoff = backoff
+        self.max_prefetch_flights = max_prefetch_flights
+        # Store I/O (GET + decode in one thread hop).
+        self.io_limiter = trio.CapacityLimiter(concurrency)
+        # Prefetches hold one of these while they fetch: demand keeps the rest.
+        if prefetch_concurrency is None:
+            prefetch_concurrency = max(1, concurrency * 3 // 4)
+        self.prefetch_slots = trio.CapacityLimiter(max(1, min(prefetch_concurrency, concurrency)))
+        # Threads, counting abandoned (timed-out) ones, so they stay bounded too.
+        self.thread_limiter = trio.CapacityLimiter(concurrency * 2)
+        self.cache_limiter = trio.CapacityLimiter(4)
+        self.meta_limiter = trio.CapacityLimiter(4)
+        self._inflight: dict[Fprint, _Flight] = {}
+        self._prefetch_flights = 0
+        self._prefetched_unused: set[Fprint] = set()
+        self._on_disk: set[Fprint] = set()
+        self._nursery: trio.Nursery | None = None
+        self.stats: dict[str, int] = dict.fromkeys(
+            (
+                "requests",  # demand chunk requests
+                "mem_hits",
+                "disk_hits",
+                "joins",  # demand requests that joined a flight under way
+                "store_fetches",  # chunks downloaded (demand + prefetch)
+                "gets",  # GET requests sent, retries included
+                "get_bytes",
+                "get_errors",
+                "retries",
+                "corrupt",  # blobs that failed verification
+                "failed",  # chunks given up on (EIO)
+                "prefetch_requested",
+                "prefetch_started",
+                "prefetch_skipped",  # already cached or under way
+                "prefetch_dropped",  # too many prefetches under way
+                "prefetch_fetched",  # downloaded by a prefetch
+                "prefetch_hits",  # demand served by a prefetched chunk
+                "manifest_gets",
+                "lists",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------ setup
+    def bind(self, nursery: trio.Nursery) -> None:
+        """Flights run in this nursery, not in the tasks that asked for them."""
+        self._nursery = nursery
+
+    # ----------------------------------------------------------- blocking calls
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking call (store listing, manifest GET) in a worker thread."""
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.meta_limiter)
+
+    async def list_manifests(self) -> list:
+        self.stats["lists"] += 1
+        return await self.run_blocking(lambda: list(self.store.manifests.list("")))
+
+    async def get_manifest_blob(self, key: str) -> bytes:
+        self.stats["manifest_gets"] += 1
+        return await self.run_blocking(self.store.manifests.get, key)
+
+    async def decode_manifest(self, blob: bytes):
+        """``decode_and_validate`` in a thread; a base chunk comes through
+        ``get`` (verified, cached, single-flight)."""
+
+        def fetch_chunk(fp: Fprint) -> bytes:
+            return trio.from_thread.run(self.get, fp)
+
+        return await self.run_blocking(decode_and_validate, blob, fetch_chunk)
+
+    # ------------------------------------------------------------------ reads
+    def _used(self, fp: Fprint) -> None:
+        if fp in self._prefetched_unused:
+            self._prefetched_unused.discard(fp)
+            self.stats["prefetch_hits"] += 1
+
+    async def get(self, fp: Fprint) -> bytes:
+        """The verified bytes of one chunk (demand read)."""
+        self.stats["requests"] += 1
+        data = self.mem.get(fp)
+        if data is not None:
+            self.stats["mem_hits"] += 1
+            self._used(fp)
+            return data
+        flight = self._inflight.get(fp)
+        if flight is not None:
+            self.stats["joins"] += 1
+            if flight.prefetch and not flight.promoted:
+                flight.promoted = True
+                self.stats["prefetch_hits"] += 1
+                if flight.wait_scope is not None:
+                    flight.wait_scope.cancel()
+        else:
+            flight = self._start(fp, prefetch=False)
+        await flight.event.wait()
+        if flight.error is not None:
+            raise FetchError(str(flight.error)) from flight.error
+        assert flight.data is not None
+        self._used(fp)
+        return flight.data
+
+    def prefetch(self, fps: Iterable[Fprint]) -> int:
+        """Start fetching chunks in the background, skipping those in memory
+        or under way; a chunk in the disk cache is loaded from there into
+        memory (no GET). Returns how many flights were started."""
+        started = 0
+        for fp in fps:
+            self.stats["prefetch_requested"] += 1
+            if fp in self.mem or fp in self._inflight:
+                self.stats["prefetch_skipped"] += 1
+                continue
+            if self._prefetch_flights >= self.max_prefetch_flights:
+                self.stats["prefetch_dropped"] += 1
+                continue
+            self._start(fp, prefetch=True)
+            started += 1
+        self.stats["prefetch_started"] += started
+        return started
+
+    async def hydrate(self, fps: Iterable[Fprint], parallel: int | None = None) -> int:
+        """Make sure every chunk is in the disk cache (eager hydration).
+        Returns the number of chunks that were fetched or checked."""
+        done = 0
+        parallel = parallel or self.prefetch_slots.total_tokens
+        sem = trio.Semaphore(parallel)
+
+        async def one(fp: Fprint) -> None:
+            try:
+                flight = self._inflight.get(fp)
+                if flight is None:
+                    flight = self._start(fp, prefetch=True, hydrate=True)
+                await flight.event.wait()
+            finally:
+                sem.release()
+
+        async with trio.open_nursery() as nursery:
+            for fp in dict.fromkeys(fps):
+                if fp in self.mem or fp in self._on_disk:
+                    continue
+                await sem.acquire()
+                nursery.start_soon(one, fp)
+                done += 1
+        return done
+
+    # ---------------------------------------------------------------- flights
+    def _start(self, fp: Fprint, prefetch: bool, hydrate: bool = False) -> _Flight:
+        if self._nursery is None:
+            raise RuntimeError("Fetcher.bind(nursery) was not called")
+        flight = _Flight(prefetch)
+        self._inflight[fp] = flight
+        if prefetch:
+            self._prefetch_flights += 1
+        self._nursery.start_soon(self._fly, fp, flight, hydrate)
+        return flight
+
+    async def _fly(self, fp: Fprint, flight: _Flight, hydrate: bool) -> None:
+        slot = False
+        try:
+            if flight.prefetch and not flight.promoted:
+                with trio.CancelScope() as flight.wait_scope:
+                    await self.prefetch_slots.acquire_on_behalf_of(flight)
+                    slot = True
+                flight.wait_scope = None
+            flight.data = await self._load(fp, flight, hydrate)
+        except FetchError as e:
+            flight.error = e
+        except BaseException as e:  # noqa: BLE001 - reported to every waiter
+            flight.error = e
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            if slot:
+                self.prefetch_slots.release_on_behalf_of(flight)
+            if flight.prefetch:
+                self._prefetch_flights -= 1
+            del self._inflight[fp]
+            flight.event.set()
+
+    async def _load(self, fp: Fprint, flight: _Flight, hydrate: bool) -> bytes:
+        if self.cache is not None:
+            cache = self.cache
+            if hydrate:
+                if await trio.to_thread.run_sync(cache.contains, fp, limiter=self.cache_limiter):
+                    self._on_disk.add(fp)
+                    if not flight.promoted:  # nobody waits for the bytes
+                        return b""
+            data = await trio.to_thread.run_sync(cache.get, fp, limiter=self.cache_limiter)
+            if data is not None:
+                self.stats["disk_hits"] += 1
+                self._on_disk.add(fp)
+                self.mem.put(fp, data)
+                return data
+        data = await self._download(fp)
+        self.stats["store_fetches"] += 1
+        if flight.prefetch and not flight.promoted:
+            self.stats["prefetch_fetched"] += 1
+            if not hydrate:
+                self._prefetched_unused.add(fp)
+        if not hydrate or flight.promoted:
+            self.mem.put(fp, data)
+        if self.cache is not None:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._cache_put, fp, data)
+        return data
+
+    async def _cache_put(self, fp: Fprint, data: bytes) -> None:
+        assert self.cache is not None
+        try:
+            await trio.to_thread.run_sync(self.cache.put, fp, data, limiter=self.cache_limiter)
+            self._on_disk.add(fp)
+        except Exception:  # noqa: BLE001 - a cache that cannot be written is not fatal
+            log.exception("cannot write chunk %s to the cache", chunk_name(fp))
+
+    async def _download(self, fp: Fprint) -> bytes:
+        name = chunk_name(fp)
+        backend = self.store.chunks
+
+        def get_and_decode() -> tuple[int, bytes]:
+            blob = backend.get(name)
+            return len(blob), decode_chunk(blob, fp)
+
+        last: BaseException | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.stats["retries"] += 1
+                await trio.sleep(min(self.backoff * (2 ** (attempt - 1)), 2.0))
+            start = time.monotonic()
+            try:
+                async with self.io_limiter:
+                    self.stats["gets"] += 1
+                    with trio.fail_after(self.timeout):
+                        size, data = await trio.to_thread.run_sync(
+                            get_and_decode, abandon_on_cancel=True, limiter=self.thread_limiter
+                        )
+                self.stats["get_bytes"] += size
+                log.debug("GET %s: %d bytes in %.3fs", name, size, time.monotonic() - start)
+                return data
+            except trio.TooSlowError:
+                last = TimeoutError("GET %s timed out after %.1fs" % (name, self.timeout))
+            except ChunkError as e:
+                self.stats["corrupt"] += 1
+                last = e
+            except NotFound as e:
+                last = e
+            except StoreError as e:
+                last = e
+            except OSError as e:
+                last = e
+            self.stats["get_errors"] += 1
+            log.debug(
+                "GET %s failed (attempt %d, %.3fs): %s", name, attempt + 1, time.monotonic() - start, last
+            )
+        self.stats["failed"] += 1
+        log.error("giving up on chunk %s after %d attempts: %s", name, self.retries + 1, last)
+        text = str(last)
+        raise FetchError(text if name in text else "chunk %s: %s" % (name, text))
+
+    # ------------------------------------------------------------------ stats
+    def snapshot(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.stats)
+        out["prefetch_waste"] = len(self._prefetched_unused)
+        out["inflight"] = len(self._inflight)
+        out["mem_cache_bytes"] = self.mem._size
+        return out
+

@@ -1,0 +1,224 @@
+"""The pyfuse3 `Operations`: FUSE requests in, calls on the catalog and
+replicas out, errors translated to errno. The only module that raises
+``FUSEError``; it holds no state beyond open handles.
+
+- Read-only: opening for writing fails with EROFS, every modifying call too.
+- Database files: ``keep_cache=True`` (a version is an inode whose bytes never
+  change, so the kernel page cache stays valid), never ``direct_io``; their
+  attributes may be cached long. Entries are cached for ``entry_timeout`` and
+  invalidated when a new version replaces them.
+- ``/.verneuil/stats`` is rendered at open (``direct_io``, so its size does
+  not matter).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyfuse3
+
+from verneuil_fuse.catalog import Catalog, Directory, StatsFile
+from verneuil_fuse.fetcher import FetchError
+from verneuil_fuse.format import CHUNK_SIZE
+from verneuil_fuse.replica import Cursor, Replica
+
+log = logging.getLogger(__name__)
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_CREAT | os.O_APPEND
+
+
+@dataclass
+class _Handle:
+    node: Any
+    cursor: Cursor = field(default_factory=Cursor)
+    data: bytes = b""  # rendered stats
+
+
+class VerneuilFS(pyfuse3.Operations):
+    enable_writeback_cache = False
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        *,
+        entry_timeout: float = 1.0,
+        attr_timeout: float = 3600.0,
+        dir_timeout: float = 1.0,
+    ):
+        super().__init__()
+        self.catalog = catalog
+        self.entry_timeout = entry_timeout
+        self.attr_timeout = attr_timeout
+        self.dir_timeout = dir_timeout
+        self.uid = os.getuid()
+        self.gid = os.getgid()
+        self._handles: dict[int, _Handle] = {}
+        self._dir_handles: dict[int, list[tuple[str, Any]]] = {}
+        self._next_fh = 1
+        self.read_errors = 0
+        self.mounted = False
+        catalog.on_invalidate = self.invalidate
+
+    # ---------------------------------------------------------------- helpers
+    def invalidate(self, parent_inode: int, name: str) -> None:
+        if self.mounted:
+            pyfuse3.invalidate_entry_async(parent_inode, os.fsencode(name), ignore_enoent=True)
+
+    def _node(self, inode: int) -> Any:
+        node = self.catalog.get(inode)
+        if node is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return node
+
+    def _fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    def attributes(self, node: Any) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_uid, a.st_gid = self.uid, self.gid
+        a.generation = 0
+        a.st_blksize = CHUNK_SIZE
+        if isinstance(node, Directory):
+            a.st_ino = node.inode
+            a.st_mode = stat.S_IFDIR | 0o555
+            a.st_nlink = 2 + sum(isinstance(n, Directory) for n in node.entries.values())
+            a.st_size = 0
+            t = node.mtime_ns
+            a.entry_timeout = a.attr_timeout = self.dir_timeout
+        elif isinstance(node, Replica):
+            a.st_ino = node.inode
+            a.st_mode = stat.S_IFREG | 0o444
+            a.st_nlink = 1
+            a.st_size = node.size
+            t = node.mtime_ns
+            a.entry_timeout = self.entry_timeout
+            a.attr_timeout = self.attr_timeout
+        elif isinstance(node, StatsFile):
+            a.st_ino = node.inode
+            a.st_mode = stat.S_IFREG | 0o444
+            a.st_nlink = 1
+            a.st_size = 0
+            t = self.catalog.root.mtime_ns
+            a.entry_timeout = self.dir_timeout
+            a.attr_timeout = 0
+        else:  # pragma: no cover - the catalog holds nothing else
+            raise pyfuse3.FUSEError(errno.EIO)
+        a.st_blocks = -(-a.st_size // 512)
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = t
+        return a
+
+    # ------------------------------------------------------------ namespace
+    async def lookup(self, parent_inode, name, ctx=None):
+        text = os.fsdecode(name)
+        if text == ".":
+            node = self._node(parent_inode)
+        elif text == "..":
+            node = self._node(parent_inode)
+            node = node.parent or node if isinstance(node, Directory) else node
+        else:
+            node = self.catalog.lookup(parent_inode, text)
+        if node is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        self.catalog.remember(node)
+        return self.attributes(node)
+
+    async def forget(self, inode_list):
+        for inode, nlookup in inode_list:
+            self.catalog.forget(inode, nlookup)
+
+    async def getattr(self, inode, ctx=None):
+        return self.attributes(self._node(inode))
+
+    async def access(self, inode, mode, ctx):
+        self._node(inode)
+        if mode & os.W_OK:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return True
+
+    async def opendir(self, inode, ctx):
+        node = self._node(inode)
+        if not isinstance(node, Directory):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        fh = self._fh()
+        # A snapshot, so offsets stay meaningful while the catalog changes.
+        self._dir_handles[fh] = self.catalog.listdir(inode)
+        return fh
+
+    async def readdir(self, fh, start_id, token):
+        entries = self._dir_handles.get(fh)
+        if entries is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        for i in range(start_id, len(entries)):
+            name, node = entries[i]
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self.attributes(node), i + 1):
+                break
+            self.catalog.remember(node)
+
+    async def releasedir(self, fh):
+        self._dir_handles.pop(fh, None)
+
+    async def statfs(self, ctx):
+        s = pyfuse3.StatvfsData()
+        total = sum(e.current.size for e in self.catalog.entries.values())
+        s.f_bsize = s.f_frsize = CHUNK_SIZE
+        s.f_blocks = -(-total // CHUNK_SIZE)
+        s.f_bfree = s.f_bavail = 0
+        s.f_files = len(self.catalog.inodes)
+        s.f_ffree = s.f_favail = 0
+        s.f_namemax = 255
+        return s
+
+    # ------------------------------------------------------------------ files
+    async def open(self, inode, flags, ctx):
+        node = self._node(inode)
+        if flags & _WRITE_FLAGS:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if isinstance(node, Directory):
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        fh = self._fh()
+        if isinstance(node, StatsFile):
+            self._handles[fh] = _Handle(node, data=node.render())
+            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        self.catalog.opened(node)
+        self._handles[fh] = _Handle(node)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
+
+    async def read(self, fh, off, size):
+        handle = self._handles.get(fh)
+        if handle is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        node = handle.node
+        if isinstance(node, StatsFile):
+            return handle.data[off : off + size]
+        log.debug("read %s [%d, +%d)", node.path, off, size)
+        try:
+            return await node.read(off, size, handle.cursor)
+        except FetchError as e:
+            self.read_errors += 1
+            log.error("read %s [%d, +%d): %s", node.path, off, size, e)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except Exception:  # noqa: BLE001 - never a wrong byte, never a dead mount
+            self.read_errors += 1
+            log.exception("read %s [%d, +%d) failed", node.path, off, size)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    async def release(self, fh):
+        handle = self._handles.pop(fh, None)
+        if handle is not None and isinstance(handle.node, Replica):
+            self.catalog.released(handle.node)
+
+    async def flush(self, fh):
+        return None
+
+    # -------------------------------------------------------------- read-only
+    async def _erofs(self, *args, **kwargs):
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _erofs
+    create = write = setxattr = removexattr = _erofs

@@ -1,0 +1,520 @@
+"""``verneuil SOURCE MOUNTPOINT [-o OPTIONS] [-f]``: mount a store's replicas.
+
+Works as a mount helper: ``mount -t fuse.verneuil SOURCE /mnt -o OPTIONS``
+and the fstab line ``SOURCE /mnt fuse.verneuil ro,allow_other,_netdev,nofail 0 0``
+make mount.fuse3 run ``verneuil SOURCE /mnt -o OPTIONS,dev,suid`` (the
+program must be on mount.fuse3's fixed PATH: scripts/install-mount-helper.sh).
+
+Start-up: the program forks; the child opens the store, lists it once, mounts
+and only then tells the parent, which exits 0 (or prints the child's one-line
+error and exits non-zero), so mount(8) returns once the mount is live. The
+child serves until ``umount``/``fusermount3 -u`` or SIGTERM/SIGINT, then
+unmounts and exits 0. ``-f`` does all of it in the foreground.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import logging.handlers
+import os
+import re
+import select
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("verneuil_fuse.mount")
+
+# Options libfuse accepts (DESIGN.md); anything else makes fuse_session_new fail.
+LIBFUSE_FLAGS = frozenset(
+    {
+        "ro", "allow_other", "allow_root", "default_permissions", "auto_unmount", "debug",
+        "dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime", "noatime",
+    }
+)
+LIBFUSE_VALUES = frozenset({"fsname", "subtype"})
+# Options mount(8), mount.fuse3 or fstab may hand us that mean nothing here.
+IGNORED_FLAGS = frozenset(
+    {
+        "rw", "defaults", "_netdev", "nofail", "auto", "noauto", "user", "users", "nouser",
+        "owner", "group", "relatime", "norelatime", "strictatime", "nostrictatime",
+        "diratime", "nodiratime", "lazytime", "nolazytime", "sync", "async", "silent", "loud",
+    }
+)
+
+OWN_OPTIONS_HELP = """\
+verneuil options (-o name=value, comma-separated; libfuse's own options ro,
+allow_other, allow_root, default_permissions, auto_unmount, debug, dev/nodev,
+suid/nosuid, exec/noexec, atime/noatime, fsname=, subtype= are passed on;
+rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
+  cache_dir=PATH          chunk cache directory, shared by all mounts and kept
+                          across remounts (default: /var/cache/verneuil as root,
+                          else ~/.cache/verneuil)
+  cache_size=SIZE         bound of the disk cache, e.g. 2G, 512M; 0 = no disk
+                          cache (default 2G)
+  mem_cache=SIZE          in-process cache of hot chunks (default 64M)
+  refresh=SECONDS         how often the store is polled for new or removed
+                          databases and versions (default 10)
+  readahead=on|off        sequential readahead (default on)
+  readahead_max=N         largest readahead window, in 64 KiB chunks (default 32)
+  btree_prefetch=on|off   B-tree-aware prefetch of the sibling pages a scan
+                          reads next (default on)
+  btree_max=N             largest B-tree prefetch window, in chunks (default 32)
+  concurrency=N           parallel GETs to the store (default 16)
+  prefetch_concurrency=N  of which prefetches may use at most N (default 3/4)
+  retries=N               retries of a failed or slow GET before EIO (default 4)
+  timeout=SECONDS         time limit of one GET attempt (default 30)
+  hydrate[=on|off]        fetch every chunk of every database into the disk
+                          cache in the background (default off)
+  entry_timeout=SECONDS   kernel cache of names (default 1)
+  read_ahead_kb=N         set the kernel's readahead for this mount
+                          (/sys/class/bdi/MAJ:MIN/read_ahead_kb)
+  log_file=PATH           log here (default: stderr with -f, else syslog)
+  log_level=LEVEL         debug, info, warning (default), error
+"""
+
+EXIT_USAGE = 2
+EXIT_SOURCE = 3
+EXIT_MOUNT = 4
+
+
+class UserError(Exception):
+    """A problem the user can fix; printed as one line, no traceback."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Options:
+    source: str
+    mountpoint: str
+    foreground: bool = False
+    fuse: list[str] = field(default_factory=list)
+    cache_dir: str | None = None
+    cache_size: int = 2 << 30
+    mem_cache: int = 64 << 20
+    refresh: float = 10.0
+    readahead: bool = True
+    readahead_max: int = 32
+    btree_prefetch: bool = True
+    btree_max: int = 32
+    concurrency: int = 16
+    prefetch_concurrency: int | None = None
+    retries: int = 4
+    timeout: float = 30.0
+    hydrate: bool = False
+    entry_timeout: float = 1.0
+    read_ahead_kb: int | None = None
+    log_file: str | None = None
+    log_level: str = "warning"
+
+
+_SIZE = re.compile(r"\A(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\Z", re.I)
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.match(text.strip())
+    if not m:
+        raise ValueError("not a size: %r" % text)
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def _bool(text: str) -> bool:
+    t = text.lower()
+    if t in ("1", "on", "yes", "true", ""):
+        return True
+    if t in ("0", "off", "no", "false"):
+        return False
+    raise ValueError("not on/off: %r" % text)
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise ValueError("must be at least 1")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise ValueError("must not be negative")
+    return v
+
+
+def _seconds(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise ValueError("must be positive")
+    return v
+
+
+_OWN = {
+    "cache_dir": str,
+    "cache_size": parse_size,
+    "mem_cache": parse_size,
+    "refresh": _seconds,
+    "readahead": _bool,
+    "readahead_max": _nonneg_int,
+    "btree_prefetch": _bool,
+    "btree_max": _nonneg_int,
+    "concurrency": _positive_int,
+    "prefetch_concurrency": _positive_int,
+    "retries": _nonneg_int,
+    "timeout": _seconds,
+    "hydrate": _bool,
+    "entry_timeout": float,
+    "read_ahead_kb": _nonneg_int,
+    "log_file": str,
+    "log_level": lambda t: _check_level(t),
+}
+
+
+def _check_level(text: str) -> str:
+    if text.lower() not in ("debug", "info", "warning", "error"):
+        raise ValueError("one of debug, info, warning, error")
+    return text.lower()
+
+
+def parse_args(argv: list[str] | None) -> Options:
+    parser = argparse.ArgumentParser(
+        prog="verneuil",
+        description="Mount the SQLite replicas of a Verneuil store (read-only, FUSE). "
+        "Files appear at /<hostname>/<path of the source database>; "
+        "statistics at /.verneuil/stats.",
+        epilog=OWN_OPTIONS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("source", help="store: file:///dir, /dir, s3://bucket?..., @config.json or JSON")
+    parser.add_argument("mountpoint", help="an existing directory")
+    parser.add_argument("-o", dest="options", action="append", default=[], metavar="OPTIONS",
+                        help="comma-separated mount options (below)")
+    parser.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
+
+    def error(message: str) -> None:
+        raise UserError(message, EXIT_USAGE)
+
+    parser.error = error  # type: ignore[method-assign]
+    ns = parser.parse_args(argv)
+    opts = Options(source=ns.source, mountpoint=ns.mountpoint, foreground=ns.foreground)
+    fuse = {"ro", "default_permissions"}
+    for group in ns.options:
+        for item in _split_options(group):
+            if not item:
+                continue
+            name, eq, value = item.partition("=")
+            if name in LIBFUSE_FLAGS and not eq:
+                fuse.add(name)
+            elif name in LIBFUSE_VALUES and eq:
+                fuse.add(item)
+            elif name in _OWN:
+                if not eq and name != "hydrate":
+                    raise UserError("option %s needs a value (%s=...)" % (name, name), EXIT_USAGE)
+                try:
+                    setattr(opts, name, _OWN[name](value))
+                except ValueError as e:
+                    raise UserError("bad value for option %s: %s" % (name, e), EXIT_USAGE) from None
+            elif name in IGNORED_FLAGS or name.startswith("x-") or name == "comment":
+                continue
+            else:
+                raise UserError("unknown mount option: %s (see verneuil --help)" % item, EXIT_USAGE)
+    if not any(o.startswith("fsname=") for o in fuse):
+        fuse.add("fsname=" + re.sub(r"[,\\\s]", "_", opts.source)[:200])
+    if not any(o.startswith("subtype=") for o in fuse):
+        fuse.add("subtype=verneuil")
+    opts.fuse = sorted(fuse)
+    return opts
+
+
+def _split_options(text: str) -> list[str]:
+    """Split on commas not escaped by a backslash (libfuse's convention)."""
+    out, cur, i = [], [], 0
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\" and i + 1 < len(text):
+            cur.append(text[i + 1])
+            i += 2
+            continue
+        if ch == ",":
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+        i += 1
+    out.append("".join(cur))
+    return out
+
+
+# ---------------------------------------------------------------- logging
+def setup_logging(opts: Options, daemon: bool) -> None:
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    if opts.log_file:
+        handler: logging.Handler = logging.FileHandler(opts.log_file)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    elif daemon:
+        if os.path.exists("/dev/log"):
+            handler = logging.handlers.SysLogHandler("/dev/log")
+            handler.setFormatter(logging.Formatter("verneuil[%(process)d]: %(levelname)s %(message)s"))
+        else:
+            handler = logging.NullHandler()
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(opts.log_level.upper())
+
+
+# ------------------------------------------------------------------ checks
+def check_source(opts: Options):
+    """Open the store (UserError on a bad spec or missing directory)."""
+    from verneuil_fuse.store import ConfigError, open_store, parse_config, store_target
+
+    try:
+        target = store_target(parse_config(opts.source))
+        if target.get("kind") == "directory" and not os.path.isdir(target["path"]):
+            raise UserError("source %s: no such directory %s" % (opts.source, target["path"]), EXIT_SOURCE)
+        return open_store(
+            opts.source,
+            **(
+                {"max_pool_connections": opts.concurrency * 2 + 8, "max_attempts": 2}
+                if target.get("kind") == "s3"
+                else {}
+            ),
+        )
+    except ConfigError as e:
+        raise UserError("bad source %s: %s" % (opts.source, e), EXIT_SOURCE) from None
+
+
+def check_paths(opts: Options) -> None:
+    """Check the mount point; make every path absolute (the daemon runs in /)."""
+    if not os.path.isdir(opts.mountpoint):
+        raise UserError("mount point %s is not a directory" % opts.mountpoint, EXIT_USAGE)
+    opts.mountpoint = os.path.abspath(opts.mountpoint)
+    if opts.source.startswith("@") and not opts.source.startswith("@/"):
+        opts.source = "@" + os.path.abspath(opts.source[1:])
+    for name in ("cache_dir", "log_file"):
+        value = getattr(opts, name)
+        if value:
+            setattr(opts, name, os.path.abspath(value))
+
+
+def _mount_device(mountpoint: str) -> str | None:
+    """MAJ:MIN of the mount at ``mountpoint``, from /proc/self/mountinfo (the
+    mount point itself is never touched from inside the filesystem process)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 4:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            if point == mountpoint:
+                found = fields[2]  # the last (topmost) mount wins
+    return found
+
+
+def set_kernel_readahead(mountpoint: str, kb: int) -> None:
+    dev = _mount_device(mountpoint)
+    if dev is None:
+        log.warning("cannot find the mount %s in /proc/self/mountinfo", mountpoint)
+        return
+    try:
+        with open("/sys/class/bdi/%s/read_ahead_kb" % dev, "w") as f:
+            f.write("%d\n" % kb)
+    except OSError as e:
+        log.warning("cannot set read_ahead_kb for %s: %s", mountpoint, e)
+
+
+# ------------------------------------------------------------------- serve
+async def serve(opts: Options, store, ready) -> None:
+    """Build the layers, list the store, mount, call ``ready()``, serve."""
+    import pyfuse3
+    import trio
+
+    from verneuil_fuse.cache import ChunkCache, default_cache_dir
+    from verneuil_fuse.catalog import Catalog
+    from verneuil_fuse.fetcher import Fetcher
+    from verneuil_fuse.fs import VerneuilFS
+    from verneuil_fuse.replica import PrefetchConfig
+    from verneuil_fuse.store import StoreError
+
+    cache = None
+    if opts.cache_size > 0:
+        cache_dir = opts.cache_dir or default_cache_dir()
+        try:
+            cache = ChunkCache(cache_dir, opts.cache_size)
+        except OSError as e:
+            raise UserError("cannot use cache_dir %s: %s" % (cache_dir, e.strerror or e), EXIT_USAGE) from None
+    fetcher = Fetcher(
+        store,
+        cache,
+        concurrency=opts.concurrency,
+        prefetch_concurrency=opts.prefetch_concurrency,
+        mem_cache_bytes=opts.mem_cache,
+        retries=opts.retries,
+        timeout=opts.timeout,
+    )
+    prefetch = PrefetchConfig(
+        readahead=opts.readahead and opts.readahead_max > 0,
+        btree=opts.btree_prefetch and opts.btree_max > 0,
+        readahead_max=max(1, opts.readahead_max),
+        btree_max=max(1, opts.btree_max),
+    )
+    catalog = Catalog(fetcher, refresh_interval=opts.refresh, prefetch=prefetch, hydrate=opts.hydrate)
+    ops = VerneuilFS(catalog, entry_timeout=opts.entry_timeout)
+    catalog.extra_stats = lambda: {
+        "mount": {"source": store.url, "mountpoint": opts.mountpoint, "pid": os.getpid(),
+                  "read_errors": ops.read_errors,
+                  "cache_dir": cache.directory if cache else None}
+    }
+    mounted = False
+    try:
+        async with trio.open_nursery() as nursery:
+            fetcher.bind(nursery)
+            catalog.bind(nursery)
+            try:
+                await catalog.refresh(raise_errors=True)
+            except StoreError as e:
+                raise UserError("cannot list %s: %s" % (opts.source, e), EXIT_SOURCE) from None
+            try:
+                pyfuse3.init(ops, opts.mountpoint, opts.fuse)
+            except RuntimeError as e:
+                raise UserError("cannot mount %s: %s" % (opts.mountpoint, e), EXIT_MOUNT) from None
+            mounted = ops.mounted = True
+            if opts.read_ahead_kb is not None:
+                set_kernel_readahead(opts.mountpoint, opts.read_ahead_kb)
+            log.warning("mounted %s on %s (%d databases)", store.url, opts.mountpoint, len(catalog.entries))
+            ready()
+
+            async def on_signals() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+                    async for signum in signals:
+                        log.warning("signal %d: unmounting", signum)
+                        pyfuse3.terminate()
+                        return
+
+            nursery.start_soon(on_signals)
+            nursery.start_soon(catalog.run)
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+    finally:
+        if mounted:
+            pyfuse3.close(unmount=True)
+            log.warning("unmounted %s", opts.mountpoint)
+        if cache is not None:
+            cache.close()
+        store.close()
+
+
+def _run(opts: Options, ready) -> int:
+    import trio
+
+    store = check_source(opts)
+    try:
+        trio.run(serve, opts, store, ready)
+    except BaseExceptionGroup as group:
+        users, _ = group.split(UserError)
+        while isinstance(users, BaseExceptionGroup):
+            users = users.exceptions[0]
+        if users is not None:
+            raise users from None
+        raise
+    return 0
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return "%s: %s" % (type(e).__name__, text[0] if text else "")
+
+
+def run_background(opts: Options, wait: float = 120.0) -> int:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the filesystem process
+        os.close(r)
+        code = 0
+        try:
+            os.setsid()
+            os.chdir("/")
+            setup_logging(opts, daemon=True)
+
+            def ready() -> None:
+                os.write(w, b"K")
+                os.close(w)
+                devnull = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(devnull, fd)
+                os.close(devnull)
+
+            _run(opts, ready)
+        except UserError as e:
+            _tell(w, "E%d %s" % (e.code, e))
+            code = e.code
+        except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
+            log.exception("verneuil failed")
+            _tell(w, "E1 %s" % _one_line(e))
+            code = 1
+        finally:
+            logging.shutdown()
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + wait
+    msg = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            os.kill(pid, signal.SIGTERM)
+            raise UserError("gave up waiting %.0fs for the mount to come up" % wait, EXIT_MOUNT)
+        readable, _, _ = select.select([r], [], [], left)
+        if readable:
+            chunk = os.read(r, 4096)
+            if not chunk:
+                break
+            msg += chunk
+            if msg.startswith(b"K"):
+                break
+    os.close(r)
+    if msg.startswith(b"K"):
+        return 0
+    _, status = os.waitpid(pid, 0)
+    if msg.startswith(b"E"):
+        code_text, _, text = msg[1:].decode(errors="replace").partition(" ")
+        raise UserError(text, int(code_text) if code_text.isdigit() else 1)
+    raise UserError("the filesystem process died (wait status %d)" % status, EXIT_MOUNT)
+
+
+def _tell(fd: int, text: str) -> None:
+    try:
+        os.write(fd, text.encode(errors="replace")[:4000])
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        opts = parse_args(argv)
+        check_paths(opts)
+        if opts.foreground:
+            setup_logging(opts, daemon=False)
+            try:
+                return _run(opts, lambda: None)
+            except KeyboardInterrupt:
+                return 0
+        return run_background(opts)
+    except UserError as e:
+        print("verneuil: error: %s" % e, file=sys.stderr)
+        return e.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

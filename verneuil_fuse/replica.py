@@ -1,0 +1,264 @@
+"""One replicated database at one manifest version: reads and prefetch hints.
+
+A `Replica` never changes: a new manifest for the same database is a new
+`Replica` (and a new inode), so an open handle keeps reading the bytes of the
+version it opened. Reads assemble the verified chunks that cover the range:
+bundled chunks (in the manifest) and the zero chunk are served without any
+fetch; everything else comes from the `Fetcher`.
+
+Prefetch, two kinds, both only hints (they never decide which bytes are
+served, and the fetcher skips chunks already cached or under way):
+- sequential readahead per open handle (`Cursor`): once reads in file order
+  have entered two new chunks, fetch the next chunks ahead; the window doubles on every sequential
+  read up to ``readahead_max`` chunks and drops to nothing on a random read;
+- b-tree readahead per replica: every chunk read on demand is parsed for
+  interior b-tree pages (`btree.py`), which gives each child page its parent
+  and position. When reads go from one child to the next of the same parent
+  (a table or index scan in key order, whatever the pages' file order), the
+  chunks of the following siblings are fetched in parallel, with a window
+  that grows the same way. A point query (one child per level) prefetches
+  nothing, so it costs one GET per b-tree level outside chunk 0.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import trio
+
+from verneuil_fuse import btree
+from verneuil_fuse.fetcher import FetchError, Fetcher
+from verneuil_fuse.format import CHUNK_SIZE, ZERO_CHUNK_FPRINT, Fprint, Manifest
+
+log = logging.getLogger(__name__)
+
+_ZERO_CHUNK = bytes(CHUNK_SIZE)
+
+
+@dataclass
+class PrefetchConfig:
+    readahead: bool = True
+    btree: bool = True
+    readahead_initial: int = 2  # chunks
+    readahead_max: int = 32  # chunks (2 MiB)
+    btree_max: int = 32  # chunks
+
+
+@dataclass
+class Cursor:
+    """Sequential-readahead state of one open handle."""
+
+    next_off: int = -1
+    last_chunk: int = -1
+    streak: int = 0
+    window: int = 0
+    ahead: int = -1  # highest chunk index already handed to the prefetcher
+
+
+@dataclass
+class _Scan:
+    last_idx: int = -10
+    window: int = 0
+    ahead: int = -1  # highest child position already handed to the prefetcher
+
+
+@dataclass
+class _BtreeMap:
+    page_size: int
+    max_page: int
+    children: dict[int, list[int]] = field(default_factory=dict)
+    parent: dict[int, tuple[int, int]] = field(default_factory=dict)
+    scans: dict[int, _Scan] = field(default_factory=dict)
+    parsed: set[int] = field(default_factory=set)
+
+
+class Replica:
+    """A read-only view of one manifest version of one database."""
+
+    def __init__(
+        self,
+        *,
+        key: str,
+        path: str,
+        manifest: Manifest,
+        fetcher: Fetcher,
+        inode: int,
+        mtime_ns: int,
+        prefetch: PrefetchConfig | None = None,
+    ):
+        self.key = key  # manifest key in the store
+        self.path = path  # path in the mount
+        self.manifest = manifest
+        self.fetcher = fetcher
+        self.inode = inode
+        self.size = manifest.len
+        self.mtime_ns = mtime_ns
+        self.prefetch_config = prefetch or PrefetchConfig()
+        self.version = manifest.contents_fprint.hex()
+        self.nchunks = len(manifest.chunks)
+        self.lookups = 0  # kernel lookup count (FUSE forget)
+        self.opens = 0  # open handles
+        self.reads = 0
+        self.read_bytes = 0
+        self._local: dict[Fprint, bytes] = {manifest.chunks[i]: data for i, data in manifest.bundled.items()}
+        self._btree: _BtreeMap | None = None
+        first = manifest.bundled.get(0)
+        header = btree.parse_header(first) if first is not None else None
+        if header is not None and self.prefetch_config.btree:
+            max_page = max(1, -(-self.size // header.page_size))
+            self._btree = _BtreeMap(header.page_size, max_page)
+            self._learn(0, first)
+
+    # ------------------------------------------------------------------ reads
+    def chunk_fprint(self, index: int) -> Fprint:
+        return self.manifest.chunks[index]
+
+    def is_local(self, index: int) -> bool:
+        fp = self.manifest.chunks[index]
+        return fp in self._local or fp == ZERO_CHUNK_FPRINT
+
+    async def chunk(self, index: int) -> bytes:
+        fp = self.manifest.chunks[index]
+        data = self._local.get(fp)
+        if data is not None:
+            return data
+        if fp == ZERO_CHUNK_FPRINT:
+            return _ZERO_CHUNK
+        data = await self.fetcher.get(fp)
+        if self._btree is not None and index not in self._btree.parsed:
+            self._learn(index, data)
+        return data
+
+    async def read(self, off: int, size: int, cursor: Cursor | None = None) -> bytes:
+        """Exactly ``size`` bytes from ``off``, fewer only at end of file.
+        Raises FetchError when a chunk cannot be obtained (EIO)."""
+        if off >= self.size or size <= 0:
+            return b""
+        end = min(off + size, self.size)
+        first, last = off // CHUNK_SIZE, (end - 1) // CHUNK_SIZE
+        self.reads += 1
+        self.read_bytes += end - off
+        self._hint(off, end, first, last, cursor)
+        if first == last:
+            data = await self.chunk(first)
+            base = first * CHUNK_SIZE
+            return data[off - base : end - base]
+        parts: list[bytes] = [b""] * (last - first + 1)
+        errors: list[FetchError] = []
+
+        async def one(i: int) -> None:
+            try:
+                parts[i - first] = await self.chunk(i)
+            except FetchError as e:
+                errors.append(e)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(first, last + 1):
+                nursery.start_soon(one, i)
+        if errors:
+            raise errors[0]
+        blob = b"".join(parts)
+        base = first * CHUNK_SIZE
+        return blob[off - base : end - base]
+
+    # --------------------------------------------------------------- prefetch
+    def _remote(self, indices) -> list[Fprint]:
+        out = []
+        for i in indices:
+            if 0 <= i < self.nchunks and not self.is_local(i):
+                out.append(self.manifest.chunks[i])
+        return out
+
+    def _hint(self, off: int, end: int, first: int, last: int, cursor: Cursor | None) -> None:
+        cfg = self.prefetch_config
+        wanted: list[int] = []
+        if cursor is not None and cfg.readahead:
+            sequential = cursor.next_off >= 0 and (
+                off == cursor.next_off or cursor.last_chunk <= first <= cursor.last_chunk + 1
+            )
+            if not sequential:
+                cursor.streak = 0
+                cursor.window = 0
+                cursor.ahead = -1
+            elif last > cursor.last_chunk:
+                # Counted in chunks entered in order, so that a few small
+                # reads inside one chunk (SQLite's header, the kernel's first
+                # readahead) do not start a readahead.
+                cursor.streak += 1
+            cursor.next_off = end
+            cursor.last_chunk = last
+            if cursor.streak >= 2:
+                cursor.window = min(max(cursor.window * 2, cfg.readahead_initial), cfg.readahead_max)
+                start = max(last + 1, cursor.ahead + 1)
+                stop = min(last + cursor.window, self.nchunks - 1)
+                if stop >= start:
+                    wanted.extend(range(start, stop + 1))
+                    cursor.ahead = stop
+        bt = self._btree
+        if bt is not None:
+            page = off // bt.page_size + 1
+            where = bt.parent.get(page)
+            if where is not None:
+                parent, idx = where
+                scan = bt.scans.get(parent)
+                if scan is None:
+                    scan = bt.scans[parent] = _Scan()
+                step = idx - scan.last_idx
+                if 0 < step <= 2:
+                    scan.window = min(max(scan.window * 2, cfg.readahead_initial), cfg.btree_max)
+                    siblings = bt.children[parent]
+                    start = max(idx + 1, scan.ahead + 1)
+                    chunks: list[int] = []
+                    seen = set(range(first, last + 1))
+                    pos = start
+                    while pos < len(siblings) and len(chunks) < scan.window:
+                        c = (siblings[pos] - 1) * bt.page_size // CHUNK_SIZE
+                        if c not in seen:
+                            seen.add(c)
+                            chunks.append(c)
+                        pos += 1
+                    scan.ahead = pos - 1
+                    wanted.extend(chunks)
+                elif step != 0:
+                    scan.window = 0
+                    scan.ahead = -1
+                scan.last_idx = idx
+        if wanted:
+            self.fetcher.prefetch(self._remote(wanted))
+
+    def _learn(self, index: int, data: bytes) -> None:
+        """Record the interior b-tree pages of chunk ``index``."""
+        bt = self._btree
+        assert bt is not None
+        bt.parsed.add(index)
+        try:
+            for page_no, children in btree.interior_pages(
+                data, index * CHUNK_SIZE, bt.page_size, bt.max_page
+            ):
+                old = bt.children.get(page_no)
+                if old is not None:
+                    continue
+                bt.children[page_no] = children
+                for pos, child in enumerate(children):
+                    bt.parent[child] = (page_no, pos)
+        except Exception:  # noqa: BLE001 - hints only; never fail a read for them
+            log.debug("cannot parse chunk %d of %s for prefetch", index, self.path, exc_info=True)
+
+    def all_remote_chunks(self) -> list[Fprint]:
+        """Every chunk that would need a fetch (for eager hydration)."""
+        return self._remote(range(self.nchunks))
+
+    def describe(self) -> dict:
+        return {
+            "path": self.path,
+            "key": self.key,
+            "version": self.version,
+            "len": self.size,
+            "chunks": self.nchunks,
+            "inode": self.inode,
+            "mtime_ns": self.mtime_ns,
+            "opens": self.opens,
+            "reads": self.reads,
+            "read_bytes": self.read_bytes,
+            "btree_pages_known": len(self._btree.children) if self._btree else 0,
+        }
