@@ -1,0 +1,367 @@
+"""verneuilctl through its real entry point: outputs checked against the
+reference vectors, every subcommand's --help, and bad inputs (one-line
+errors, non-zero exit, no traceback, never a wrong file)."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from verneuil_fuse import cli
+from verneuil_fuse import format as fmt
+
+from test_copier_support import Writer, vfs_available
+
+VECTORS = pathlib.Path(__file__).parent / "data" / "umash_verneuil.json"
+CTL = [sys.executable, "-m", "verneuil_fuse.cli"]
+SUBCOMMANDS = ["fingerprint", "manifest-name", "copier", "flush", "sync", "restore", "ls",
+               "manifest", "lag"]
+
+
+@pytest.fixture(scope="module")
+def vectors():
+    return json.loads(VECTORS.read_text())
+
+
+def input_of(entry) -> bytes:
+    if "hex" in entry:
+        return bytes.fromhex(entry["hex"])
+    if entry["fill"] == "zeros":
+        return bytes(entry["len"])
+    return bytes(i % 256 for i in range(entry["len"]))
+
+
+def key_arg(params_key: str) -> str:
+    for short, key in fmt.KEYS.items():
+        if key.decode() == params_key:
+            return short
+    raise AssertionError(params_key)
+
+
+def run(args, env=None, input=None, timeout=60):
+    full_env = dict(os.environ)
+    full_env.pop("VERNEUIL_CONFIG", None)
+    if env:
+        full_env.update(env)
+    return subprocess.run(CTL + args, capture_output=True, env=full_env, input=input,
+                          timeout=timeout)
+
+
+def assert_one_line_error(proc, *needles):
+    err = proc.stderr.decode()
+    assert proc.returncode != 0, (proc.returncode, err)
+    assert "Traceback" not in err, err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("verneuilctl: error: "), err
+    for needle in needles:
+        assert needle.lower() in err.lower(), err
+
+
+# -- fingerprint / manifest-name against the vectors ----------------------------------
+
+def test_fingerprint_vectors_in_process(vectors, tmp_path, capsys):
+    sample = random.Random(1).sample(vectors["fingerprints"], 60)
+    for i, entry in enumerate(sample):
+        f = tmp_path / ("in%d" % i)
+        f.write_bytes(input_of(entry))
+        key = key_arg(entry["params_key"])
+        assert cli.main(["fingerprint", "--key", key, str(f)]) == 0
+        major, minor = entry["fprint"]
+        assert capsys.readouterr().out.strip() == "%s%%2F%s" % (major, minor)
+        assert cli.main(["fingerprint", "--hash64", "--key", entry["params_key"], str(f)]) == 0
+        assert capsys.readouterr().out.strip() == entry["hash64"]
+
+
+def test_fingerprint_and_names_through_the_real_cli(vectors, tmp_path):
+    rng = random.Random(2)
+    for i, entry in enumerate(rng.sample(vectors["fingerprints"], 8)):
+        f = tmp_path / ("in%d" % i)
+        f.write_bytes(input_of(entry))
+        key = key_arg(entry["params_key"])
+        flags = ["--hash64"] if i % 2 else []
+        proc = run(["fingerprint", "--key", key] + flags + [str(f)])
+        assert proc.returncode == 0, proc.stderr
+        want = entry["hash64"] if flags else "%s%%2F%s" % tuple(entry["fprint"])
+        assert proc.stdout.decode().strip() == want
+    for entry in rng.sample(vectors["manifest_names"], 6):
+        proc = run(["manifest-name", "--hostname", entry["hostname"], entry["path"]])
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.decode().strip() == entry["name"]
+
+
+def test_every_manifest_name(vectors, capsys):
+    for entry in vectors["manifest_names"]:
+        assert cli.main(["manifest-name", "--hostname", entry["hostname"], entry["path"]]) == 0
+        assert capsys.readouterr().out.strip() == entry["name"]
+
+
+def test_fingerprint_chunks_and_defaults(tmp_path, capsys):
+    data = os.urandom(3 * 65536 + 17)
+    f = tmp_path / "f"
+    f.write_bytes(data)
+    assert cli.main(["fingerprint", "--chunks", str(f)]) == 0
+    lines = capsys.readouterr().out.split()
+    assert lines == [fmt.chunk_fingerprint(data[i:i + 65536]).name
+                     for i in range(0, len(data), 65536)]
+    zero = tmp_path / "zero"
+    zero.write_bytes(bytes(65536))
+    assert cli.main(["fingerprint", str(zero)]) == 0
+    assert capsys.readouterr().out.strip() == fmt.ZERO_CHUNK_NAME
+
+
+def test_manifest_name_canonical_without_hostname(tmp_path, capsys):
+    real = tmp_path / "real.db"
+    real.write_bytes(b"")
+    link = tmp_path / "link.db"
+    link.symlink_to(real)
+    assert cli.main(["manifest-name", str(link)]) == 0
+    assert capsys.readouterr().out.strip() == fmt.manifest_name(str(real), fmt.local_hostname())
+    assert cli.main(["manifest-name", "--hostname", "h", str(link)]) == 0
+    assert capsys.readouterr().out.strip() == fmt.manifest_name(str(link), "h")
+
+
+def test_help_for_every_subcommand():
+    proc = run(["--help"])
+    assert proc.returncode == 0
+    for name in SUBCOMMANDS:
+        assert name in proc.stdout.decode()
+    for name in SUBCOMMANDS:
+        with pytest.raises(SystemExit) as e:
+            cli.main([name, "--help"])
+        assert e.value.code == 0
+
+
+# -- the replication commands on a directory store ---------------------------------------
+
+@pytest.fixture
+def replicated(tmp_path):
+    """A spool with one database flushed to a directory store."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    store_url = "file://%s/store" % tmp_path
+    w = Writer("py", str(spool), str(tmp_path / "app.db"))
+    for _ in range(10):
+        w.bump()
+    w.execute("CREATE TABLE big(x)")
+    w.execute("INSERT INTO big VALUES (randomblob(300000))")
+    proc = run(["flush", "--store", store_url, "--spool", str(spool)])
+    assert proc.returncode == 0, proc.stderr
+    yield w, str(spool), store_url
+    w.close()
+
+
+def test_restore_file_stdout_and_manifest_file(replicated, tmp_path):
+    w, spool, url = replicated
+    out = tmp_path / "out.db"
+    proc = run(["restore", "--store", url, "-s", w.path, "-o", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == w.data()
+    assert proc.stderr == b""  # no progress bar when stderr is not a terminal
+    proc = run(["restore", "--store", url, "-m", w.name, "-o", "-"])
+    assert proc.returncode == 0 and proc.stdout == w.data()
+    proc = run(["restore", "--store", url, "--hostname", fmt.local_hostname(), "-s", w.path,
+                "-o", "-"])
+    assert proc.stdout == w.data()
+    blob = tmp_path / "manifest.blob"
+    blob.write_bytes(open(os.path.join(url[len("file://"):], "manifests", w.name), "rb").read())
+    proc = run(["restore", "--store", url, "--manifest-file", str(blob), "-o", "-"])
+    assert proc.stdout == w.data()
+
+
+def test_ls_and_manifest_outputs(replicated):
+    w, spool, url = replicated
+    proc = run(["ls", "--store", url])
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout.decode()
+    assert w.path in text and fmt.local_hostname() in text and "VERSIONS" in text
+    listing = json.loads(run(["ls", "--store", url, "--json"]).stdout)
+    assert listing[0]["size"] == len(w.data()) and listing[0]["versions"] == 1
+    manifest = json.loads(run(["manifest", "--store", url, "-s", w.path, "--json"]).stdout)
+    assert manifest["len"] == len(w.data()) and manifest["path"] == w.path
+    assert manifest["bundled_chunks"] == [0]
+    assert len(manifest["chunks"]) == manifest["num_chunks"]
+    text = run(["manifest", "--store", url, "-m", w.name]).stdout.decode()
+    assert "contents_fprint" in text and w.path in text
+
+
+def test_lag_reports_pending_then_in_sync(replicated, tmp_path):
+    w, spool, url = replicated
+    report = json.loads(run(["lag", "--store", url, "--spool", spool, "--json"]).stdout)
+    (db,) = report
+    assert db["source"] == w.path and db["in_sync"] is True and db["lag"] == 0
+    w.bump()
+    report = json.loads(run(["lag", "--store", url, "--spool", spool, "--json"]).stdout)
+    (db,) = report
+    assert db["in_sync"] is False and db["pending_bytes"] > 0
+    assert db["manifests"][0]["in_store"] == "behind"
+    text = run(["lag", "--store", url, "--spool", spool]).stdout.decode()
+    assert w.path in text and "behind" in text
+    proc = run(["lag", "--spool", spool, "--no-store"])
+    assert proc.returncode == 0 and "pending" in proc.stdout.decode()
+
+
+def test_config_from_environment(replicated, tmp_path):
+    w, spool, url = replicated
+    w.bump()
+    config = {"replication_spooling_dir": spool,
+              "replication_targets": [{"directory": {"path": url[len("file://"):]}}]}
+    cfg_file = tmp_path / "verneuil.json"
+    cfg_file.write_text(json.dumps(config))
+    proc = run(["flush"], env={"VERNEUIL_CONFIG": "@%s" % cfg_file})
+    assert proc.returncode == 0, proc.stderr
+    proc = run(["restore", "-s", w.path, "-o", "-"], env={"VERNEUIL_CONFIG": json.dumps(config)})
+    assert proc.stdout == w.data()
+    proc = run(["restore", "--store", "@%s" % cfg_file, "-s", w.path, "-o", "-"])
+    assert proc.stdout == w.data()
+
+
+@pytest.mark.skipif(not vfs_available(), reason="writer_vfs is not built")
+def test_sync_forces_a_snapshot(tmp_path):
+    spool = tmp_path / "spool"
+    db = tmp_path / "plain.db"
+    conn = sqlite3.connect(str(db))  # written without the VFS: nothing spooled
+    conn.execute("CREATE TABLE t(x)")
+    conn.execute("INSERT INTO t VALUES (randomblob(100000))")
+    conn.commit()
+    conn.close()
+    url = "file://%s/store" % tmp_path
+    proc = run(["sync", "--store", url, "--spool", str(spool), str(db)])
+    assert proc.returncode == 0, proc.stderr
+    proc = run(["restore", "--store", url, "-s", str(db), "-o", "-"])
+    assert proc.returncode == 0, proc.stderr
+    # Same database (the no-op write bumps only the header's change counter).
+    assert proc.stdout == db.read_bytes()
+    # A WAL database is not replicated: sync says so instead of pretending.
+    wal = tmp_path / "wal.db"
+    conn = sqlite3.connect(str(wal))
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("CREATE TABLE t(x)")
+    conn.commit()
+    conn.close()
+    assert_one_line_error(run(["sync", "--store", url, "--spool", str(spool), str(wal)]),
+                          "no snapshot")
+
+
+# -- bad inputs ------------------------------------------------------------------------
+
+def test_unknown_database(replicated, tmp_path):
+    w, spool, url = replicated
+    out = tmp_path / "never.db"
+    proc = run(["restore", "--store", url, "-s", "/no/such/db.sqlite", "-o", str(out)])
+    assert_one_line_error(proc, "no such replicated database")
+    assert not out.exists()
+    assert_one_line_error(run(["manifest", "--store", url, "--hostname", "elsewhere", "-s", "/x"]),
+                          "no such replicated database")
+    assert_one_line_error(run(["restore", "--store", url, "-o", "-"]), "source-path")
+
+
+def test_corrupt_manifest_and_chunk_never_write_a_wrong_file(replicated, tmp_path):
+    w, spool, url = replicated
+    root = url[len("file://"):]
+    out = tmp_path / "out.db"
+    out.write_bytes(b"previous contents")
+    # a corrupt chunk
+    m = fmt.decode_and_validate(open(os.path.join(root, "manifests", w.name), "rb").read())
+    victim = next(fp for i, fp in enumerate(m.chunks) if i not in m.bundled
+                  and fp != fmt.ZERO_CHUNK_FPRINT)
+    chunk_path = os.path.join(root, "chunks", victim.name)
+    with open(chunk_path, "wb") as f:
+        f.write(fmt.compress_chunk(os.urandom(65536)))
+    proc = run(["restore", "--store", url, "-s", w.path, "-o", str(out)])
+    assert_one_line_error(proc, "corrupt chunk")
+    assert out.read_bytes() == b"previous contents"
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".out.db")] == []
+    proc = run(["restore", "--store", url, "-s", w.path, "-o", "-"])
+    assert_one_line_error(proc, "corrupt chunk")
+    assert proc.stdout == b""
+    # a missing chunk
+    os.unlink(chunk_path)
+    assert_one_line_error(run(["restore", "--store", url, "-s", w.path, "-o", str(out)]),
+                          "missing")
+    # a corrupt manifest
+    with open(os.path.join(root, "manifests", w.name), "wb") as f:
+        f.write(fmt.compress_manifest(b"\x0a\x05hello"))
+    for args in (["restore", "-o", str(out)], ["manifest"]):
+        proc = run(args[:1] + ["--store", url, "-s", w.path] + args[1:])
+        assert_one_line_error(proc, "corrupt manifest")
+    assert out.read_bytes() == b"previous contents"
+    # ls still lists it, with a warning
+    proc = run(["ls", "--store", url])
+    assert proc.returncode == 0 and "ERROR" in proc.stdout.decode()
+
+
+def test_not_a_spool_and_bad_specs(tmp_path):
+    url = "file://%s/store" % tmp_path
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("hello")
+    for cmd in ("flush", "lag", "copier"):
+        assert_one_line_error(run([cmd, "--store", url, "--spool", str(junk)]), "not a spool")
+    assert_one_line_error(run(["flush", "--store", url, "--spool", str(junk / "notes.txt")]),
+                          "not a directory")
+    assert_one_line_error(run(["flush", "--store", url, "--spool", str(tmp_path / "nope")]),
+                          "no such spool")
+    assert_one_line_error(run(["ls", "--store", "nonsense"]), "not a store")
+    assert_one_line_error(run(["ls"]), "VERNEUIL_CONFIG")
+    assert_one_line_error(run(["flush", "--store", url]), "spool")
+    assert_one_line_error(run(["ls", "--store", "file://%s/missing" % tmp_path]), "does not exist")
+    assert_one_line_error(run(["manifest-name", "--hostname", "h", "relative.db"]), "absolute")
+    assert_one_line_error(run(["fingerprint", "--key", "x" * 40, "/dev/null"]), "32 bytes")
+    assert_one_line_error(run(["fingerprint", str(tmp_path / "missing")]), "cannot read")
+    assert_one_line_error(run(["manifest", "--store", url, "-m", "not-a-manifest"]),
+                          "not a manifest name")
+
+
+# -- S3 ----------------------------------------------------------------------------------
+
+@pytest.mark.s3
+def test_s3_round_trip_wrong_bucket_and_outage(s3_server, tmp_path):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    store = s3_server.make_store()
+    w = Writer("py", str(spool), str(tmp_path / "app.db"))
+    w.bump()
+    assert run(["flush", "--store", store.url, "--spool", str(spool)]).returncode == 0
+    proc = run(["restore", "--store", store.url, "-s", w.path, "-o", "-"])
+    assert proc.returncode == 0 and proc.stdout == w.data()
+    listing = json.loads(run(["ls", "--store", store.url, "--json"]).stdout)
+    assert [e["path"] for e in listing] == [w.path]
+    # wrong bucket
+    bad = s3_server.url("no-such-bucket-here", "nor-this-one")
+    assert_one_line_error(run(["ls", "--store", bad]), "bucket")
+    assert_one_line_error(run(["restore", "--store", bad, "-s", w.path, "-o", "-"]), "bucket")
+    w.bump()
+    assert_one_line_error(run(["flush", "--store", bad, "--spool", str(spool)]), "bucket")
+    # endpoint down: flush gives up after its timeout, exit non-zero
+    s3_server.stop()
+    try:
+        proc = run(["flush", "--store", store.url, "--spool", str(spool), "--timeout", "2"])
+        assert_one_line_error(proc)
+    finally:
+        s3_server.start()
+    assert run(["flush", "--store", store.url, "--spool", str(spool)]).returncode == 0
+    proc = run(["restore", "--store", store.url, "-s", w.path, "-o", "-"])
+    assert proc.stdout == w.data()
+    store.close()
+
+
+@pytest.mark.s3
+def test_refused_credentials(aws_env, tmp_path):
+    from s3server import S3Server
+    with S3Server(auth=True, log_dir=str(tmp_path)) as server:
+        url = server.url("some-bucket", "other-bucket")
+        assert_one_line_error(run(["ls", "--store", url]), "denied")
+        spool = tmp_path / "spool"
+        spool.mkdir()
+        w = Writer("py", str(spool), str(tmp_path / "app.db"))
+        w.bump()
+        assert_one_line_error(run(["flush", "--store", url, "--spool", str(spool),
+                                   "--timeout", "5"]), "denied")
+        w.close()

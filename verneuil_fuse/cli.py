@@ -1,0 +1,713 @@
+"""`verneuilctl`: replicate, inspect and restore SQLite databases.
+
+Subcommands (each has --help):
+
+  fingerprint    UMASH fingerprint / 64-bit hash / chunk names of a file
+  manifest-name  the manifest blob name of a database path
+  copier         run a copier daemon: spool -> store, until SIGTERM/SIGINT
+  flush          upload everything pending in a spool, once; exit 0 when done
+  sync           force a snapshot of databases through the VFS, then flush
+  restore        rebuild a database file from the store, every chunk verified
+  ls             replicated databases in a store
+  manifest       decode one manifest
+  lag            how far each database in a spool is behind
+
+Common flags mean the same everywhere: --store (URL, path, @config.json or
+JSON; default VERNEUIL_CONFIG), --spool (default: the configuration's
+replication_spooling_dir), --hostname, -s/--source-path, -m/--manifest,
+-o/--out.  Errors print one line on stderr and exit non-zero.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any, Optional
+
+log = logging.getLogger("verneuilctl")
+
+EXIT_OK = 0
+EXIT_ERROR = 1       # the operation failed (store, data, timeout)
+EXIT_USAGE = 2       # bad arguments (argparse uses 2 as well)
+EXIT_INTERRUPTED = 130
+
+
+class UserError(Exception):
+    """An error worth one line to the user, and an exit code."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_ERROR):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# -- shared helpers -------------------------------------------------------------
+
+def _open_store(args, required: bool = True, read_only: bool = False):
+    """The store of --store (else VERNEUIL_CONFIG); None if not required and
+    nothing is configured.  `read_only`: a missing directory store is an
+    error instead of being created."""
+    from .store import StoreError, open_store, parse_config, store_target
+    if not required and args.store is None and not os.environ.get("VERNEUIL_CONFIG", "").strip():
+        return None
+    try:
+        spec = args.store
+        if read_only:
+            config = parse_config(spec)
+            target = store_target(config)
+            if target["kind"] == "directory":
+                spec = {"directory": {"path": target["path"], "create": False}}
+        return open_store(spec)
+    except StoreError as e:
+        raise UserError(str(e), EXIT_USAGE) from None
+
+
+def _spool(args) -> str:
+    from . import config
+    return config.spool_dir(args.spool, args.store)
+
+
+def _key_bytes(key: str) -> bytes:
+    from . import format as fmt
+    if key in fmt.KEYS:
+        return fmt.KEYS[key]
+    raw = key.encode("utf-8")
+    if len(raw) > 32:
+        raise UserError("a UMASH key is at most 32 bytes; %r has %d (or use one of: %s)"
+                        % (key, len(raw), ", ".join(fmt.KEYS)), EXIT_USAGE)
+    return raw
+
+
+def _read_input(path: str) -> bytes:
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read()
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise UserError("cannot read %s: %s" % (path, e.strerror or e)) from None
+
+
+def _manifest_key(args) -> str:
+    """The manifest name from -m, or from --hostname/-s."""
+    from . import format as fmt
+    if getattr(args, "manifest", None):
+        if fmt.parse_manifest_name(args.manifest) is None:
+            raise UserError("%r is not a manifest name" % args.manifest, EXIT_USAGE)
+        return args.manifest
+    if getattr(args, "source_path", None):
+        try:
+            return fmt.manifest_name(args.source_path, args.hostname)
+        except fmt.BadName as e:
+            raise UserError(str(e), EXIT_USAGE) from None
+    raise UserError("name the database: -s/--source-path PATH [--hostname HOST], "
+                    "-m/--manifest NAME or --manifest-file FILE", EXIT_USAGE)
+
+
+def _load_manifest(args, store):
+    """(name, Manifest) from --manifest-file, -m, or --hostname + -s."""
+    from .copier.restore import decode_manifest, fetch_manifest
+    if getattr(args, "manifest_file", None):
+        blob = _read_input(args.manifest_file)
+        return os.path.basename(args.manifest_file), decode_manifest(
+            blob, store, "manifest file %s" % args.manifest_file)
+    if store is None:
+        store = _open_store(args, read_only=True)
+    name = _manifest_key(args)
+    return name, fetch_manifest(store, name, getattr(args, "version_id", None))
+
+
+def _fmt_time(seconds: float) -> str:
+    if not seconds:
+        return "-"
+    return datetime.datetime.fromtimestamp(seconds).isoformat(sep=" ", timespec="seconds")
+
+
+def _fmt_size(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return ("%d %s" % (n, unit)) if unit == "B" else ("%.1f %s" % (n, unit))
+        n /= 1024
+    return str(n)
+
+
+def _print_json(value: Any) -> None:
+    json.dump(value, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+def _copier_kwargs(args, cfg: dict) -> dict:
+    from . import config
+    kw = config.copier_options(cfg)
+    for name in ("rate", "burst", "workers", "db_workers", "poll_interval", "lock_timeout"):
+        value = getattr(args, name, None)
+        if value is not None:
+            kw[name] = value
+    return kw
+
+
+def _make_copier(args, **extra):
+    from . import config
+    from .copier import Copier
+    spool = _spool(args)
+    store = _open_store(args)
+    cfg = config.load_optional(args.store)
+    kw = _copier_kwargs(args, cfg)
+    kw.update(extra)
+    return Copier(spool, store, **kw)
+
+
+# -- subcommands ----------------------------------------------------------------
+
+def cmd_fingerprint(args) -> int:
+    from . import format as fmt
+    key = _key_bytes(args.key)
+    data = _read_input(args.file)
+    if args.chunks:
+        view = memoryview(data)
+        for start in range(0, len(view), fmt.CHUNK_SIZE):
+            piece = view[start:start + fmt.CHUNK_SIZE]
+            if args.hash64:
+                print("%016x" % fmt.hash64(piece, key))
+            else:
+                print(fmt.fingerprint(piece, key).name)
+        return EXIT_OK
+    if args.hash64:
+        print("%016x" % fmt.hash64(data, key))
+    else:
+        print(fmt.fingerprint(data, key).name)
+    return EXIT_OK
+
+
+def cmd_manifest_name(args) -> int:
+    from . import format as fmt
+    try:
+        print(fmt.manifest_name(args.path, args.hostname))
+    except fmt.BadName as e:
+        raise UserError(str(e), EXIT_USAGE) from None
+    return EXIT_OK
+
+
+def cmd_copier(args) -> int:
+    copier = _make_copier(args, create_spool=True)
+    stop = copier.stop
+
+    def on_signal(signum, _frame):
+        log.info("got signal %d, stopping", signum)
+        stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        copier.run()
+    finally:
+        copier.close()
+        copier.store.close()
+    return EXIT_OK
+
+
+def cmd_flush(args) -> int:
+    copier = _make_copier(args)
+    try:
+        copier.flush(timeout=args.timeout)
+    except TimeoutError as e:
+        raise UserError(str(e)) from None
+    finally:
+        copier.close()
+        copier.store.close()
+    s = copier.stats
+    log.info("flushed: %d chunks (%d bytes sent), %d manifests",
+             s.chunks_uploaded, s.chunk_bytes_sent, s.manifests_uploaded)
+    return EXIT_OK
+
+
+def _force_snapshot(path: str, spool: str) -> None:
+    """Commit an empty write transaction on `path` through the verneuil VFS,
+    which makes it publish a fresh snapshot into the spool."""
+    import sqlite3
+    import urllib.parse
+    try:
+        import writer_vfs
+    except ImportError as e:
+        raise UserError("the writer VFS (writer_vfs) is not available: %s" % e) from None
+    if not os.path.isfile(path):
+        raise UserError("%s: no such database file" % path)
+    writer_vfs.register(spool_dir=spool)
+    uri = "file:%s?vfs=verneuil" % urllib.parse.quote(os.path.abspath(path))
+    try:
+        conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30)
+        try:
+            # Rewriting user_version with its own value dirties the header
+            # page, so SQLite really commits (an empty BEGIN IMMEDIATE/COMMIT
+            # writes nothing) and the VFS snapshots on unlock.
+            conn.execute("BEGIN IMMEDIATE")
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+            conn.execute("PRAGMA user_version = %d" % int(version))
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+    except sqlite3.Error as e:
+        raise UserError("%s: %s" % (path, e)) from None
+
+
+def _staged_matches(db, path: str) -> bool:
+    """Whether the staged manifest of `db` describes the file at `path` now."""
+    from . import format as fmt
+    from .copier import spool as sp
+    from .format import manifest_pb2
+    meta = db.sub(sp.STAGING, sp.META)
+    with open(path, "rb") as f:
+        header = fmt.header_fprint_of(f.read(100))
+    for name in sp.listdir_or_empty(meta):
+        # Only the header fingerprint is needed: no full validation (which a
+        # manifest XOR-ed with a base chunk could not pass without the store).
+        top = manifest_pb2.Manifest()
+        try:
+            with open(os.path.join(meta, name), "rb") as f:
+                top.ParseFromString(f.read())
+        except Exception:
+            continue
+        fp = top.v1.header_fprint
+        if (fp.major, fp.minor) == tuple(header):
+            return True
+    return False
+
+
+def cmd_sync(args) -> int:
+    from .copier import spool as sp
+    spool = _spool(args)
+    sp.check_spool(spool, create=True)
+    wanted = set()
+    for path in args.db:
+        _force_snapshot(path, spool)
+        db = sp.DbDir(os.path.join(spool, sp.current_boot_root_name()), sp.dbdir_name(path))
+        if not _staged_matches(db, path):
+            raise UserError("%s: the VFS spooled no snapshot of the current file (a WAL "
+                            "database? run with -v to see the VFS's log)" % path)
+        wanted.add(db.name)
+    copier = _make_copier(args, create_spool=True)
+    try:
+        copier.flush(timeout=args.timeout, only=lambda db: db.name in wanted)
+    except TimeoutError as e:
+        raise UserError(str(e)) from None
+    finally:
+        copier.close()
+        copier.store.close()
+    return EXIT_OK
+
+
+class _Progress:
+    """A one-line progress bar on stderr, only when stderr is a terminal."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._last < 0.1 and done < total:
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        width = 30
+        bar = "#" * int(frac * width)
+        sys.stderr.write("\r[%-*s] %3d%% %s / %s" % (width, bar, frac * 100,
+                                                     _fmt_size(done), _fmt_size(total)))
+        sys.stderr.flush()
+
+    def finish(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def cmd_restore(args) -> int:
+    import tempfile
+    from .copier.restore import restore_to_path, write_snapshot
+    store = _open_store(args, read_only=True)
+    try:
+        name, m = _load_manifest(args, store)
+        progress = _Progress(not args.quiet)
+        try:
+            if args.out == "-":
+                # Never a partial or wrong stream: verify everything first.
+                with tempfile.TemporaryFile() as tmp:
+                    write_snapshot(store, m, tmp, progress=progress)
+                    progress.finish()
+                    tmp.seek(0)
+                    out = sys.stdout.buffer
+                    while True:
+                        block = tmp.read(1 << 20)
+                        if not block:
+                            break
+                        out.write(block)
+                    out.flush()
+            else:
+                try:
+                    restore_to_path(store, m, args.out, progress=progress)
+                except OSError as e:
+                    raise UserError("cannot write %s: %s" % (args.out, e.strerror or e)) from None
+                progress.finish()
+                log.info("restored %s (%d bytes) to %s", name, m.len, args.out)
+        except BaseException:
+            progress.finish()
+            raise
+    finally:
+        store.close()
+    return EXIT_OK
+
+
+def _ls_entry(store, info, versions: bool) -> dict:
+    from . import format as fmt
+    from .copier.restore import RestoreError, decode_manifest
+    from .store import NotFound
+    parsed = fmt.parse_manifest_name(info.key)
+    entry: dict = {"name": info.key, "hostname": parsed.hostname if parsed else None,
+                   "path": parsed.path if parsed else None,
+                   "blob_size": info.size, "mtime": info.mtime}
+    if parsed is not None and parsed.mangled:
+        entry["path"] = "%s...%s" % (parsed.prefix, parsed.suffix)
+    try:
+        m = decode_manifest(store.manifests.get(info.key), store, "manifest %s" % info.key)
+        entry.update(size=m.len, ctime=m.ctime + m.ctime_ns / 1e9, chunks=len(m.chunks))
+    except NotFound:
+        entry.update(error="deleted while listing")
+    except RestoreError as e:
+        entry.update(error=str(e))
+    if versions:
+        entry["versions"] = len(store.manifests.list_versions(info.key))
+    return entry
+
+
+def cmd_ls(args) -> int:
+    store = _open_store(args, read_only=True)
+    try:
+        prefix = ""
+        entries = []
+        for info in sorted(store.manifests.list(prefix), key=lambda i: i.key):
+            entry = _ls_entry(store, info, not args.no_versions)
+            if args.hostname is not None and entry["hostname"] != args.hostname:
+                continue
+            entries.append(entry)
+    finally:
+        store.close()
+    if args.json:
+        _print_json(entries)
+        return EXIT_OK
+    rows = [("HOST", "PATH", "SIZE", "CTIME", "VERSIONS")]
+    for e in entries:
+        rows.append((e["hostname"] or "?", e["path"] or e["name"],
+                     "ERROR" if "error" in e else _fmt_size(e.get("size")),
+                     _fmt_time(e.get("ctime", 0)), str(e.get("versions", "-"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    for e in entries:
+        if "error" in e:
+            print("warning: %s: %s" % (e["name"], e["error"]), file=sys.stderr)
+    return EXIT_OK
+
+
+def _manifest_dict(name: str, m) -> dict:
+    from . import format as fmt
+    parsed = fmt.parse_manifest_name(name)
+    distinct = set(m.chunks)
+    return {
+        "name": name,
+        "hostname": parsed.hostname if parsed else None,
+        "path": parsed.path if parsed else None,
+        "len": m.len,
+        "ctime": m.ctime,
+        "ctime_ns": m.ctime_ns,
+        "version_id": m.version_id.hex(),
+        "generated_by": m.generated_by.decode("utf-8", "replace"),
+        "header_fprint": m.header_fprint.name,
+        "contents_fprint": m.contents_fprint.name,
+        "base_chunks_fprint": m.base_chunks_fprint.name if m.base_chunks_fprint else None,
+        "bundled_chunks": sorted(m.bundled),
+        "num_chunks": len(m.chunks),
+        "distinct_chunks": len(distinct),
+        "zero_chunks": sum(1 for fp in m.chunks if fp == fmt.ZERO_CHUNK_FPRINT),
+        "chunks": [fp.name for fp in m.chunks],
+    }
+
+
+def cmd_manifest(args) -> int:
+    store = None
+    store = _open_store(args, required=not args.manifest_file, read_only=True)
+    try:
+        name, m = _load_manifest(args, store)
+    finally:
+        if store is not None:
+            store.close()
+    d = _manifest_dict(name, m)
+    if args.json:
+        _print_json(d)
+        return EXIT_OK
+    print("name:            %s" % d["name"])
+    if d["hostname"] is not None:
+        print("hostname:        %s" % d["hostname"])
+    if d["path"] is not None:
+        print("path:            %s" % d["path"])
+    print("length:          %d bytes (%s)" % (d["len"], _fmt_size(d["len"])))
+    print("ctime:           %s (%d.%09d)" % (_fmt_time(m.ctime), m.ctime, m.ctime_ns))
+    print("chunks:          %d (%d distinct, %d zero)" % (d["num_chunks"], d["distinct_chunks"],
+                                                          d["zero_chunks"]))
+    print("header_fprint:   %s" % d["header_fprint"])
+    print("contents_fprint: %s" % d["contents_fprint"])
+    if d["base_chunks_fprint"]:
+        print("base chunk:      %s" % d["base_chunks_fprint"])
+    print("version_id:      %s" % (d["version_id"] or "-"))
+    print("generated_by:    %s" % (d["generated_by"] or "-"))
+    print("bundled chunks:  %s" % (", ".join(map(str, d["bundled_chunks"])) or "-"))
+    if args.chunks:
+        for i, c in enumerate(d["chunks"]):
+            print("  %6d %s" % (i, c))
+    return EXIT_OK
+
+
+def cmd_lag(args) -> int:
+    from .copier.status import spool_status
+    spool = _spool(args)
+    store = None
+    if not args.no_store:
+        try:
+            store = _open_store(args, required=False)
+        except UserError:
+            if args.store is not None:
+                raise
+            # VERNEUIL_CONFIG may name a spool but no store: report the spool only.
+    try:
+        report = spool_status(spool, store)
+    finally:
+        if store is not None:
+            store.close()
+    if args.json:
+        _print_json(report)
+        return EXIT_OK
+    if not report:
+        print("no databases in spool %s" % spool)
+        return EXIT_OK
+    for db in report:
+        lag = db["lag"]
+        state = ("in sync" if db["in_sync"] else
+                 "behind %.1fs" % lag if lag is not None else "pending")
+        if db["in_sync"] is None and lag is not None:
+            state = "pending for %.1fs" % lag if (lag or db["pending_bytes"]) else "nothing pending"
+        print("%s: %s" % (db["source"] or db["dbdir"], state))
+        for m in db["manifests"]:
+            extra = ""
+            if m.get("source_changed"):
+                extra = ", source changed since (writes not seen by the VFS?)"
+            if "error" in m:
+                extra += ", INVALID: %s" % m["error"]
+            print("  staged manifest: %s old, %s%s%s" % (
+                "%.1fs" % m["age"], _fmt_size(m.get("len")),
+                ", store: %s" % m["in_store"] if "in_store" in m else "", extra))
+        for which in ("ready", "consuming"):
+            for s in db[which]:
+                print("  %s %s: %.1fs old, %d chunks (%s)" % (
+                    which, s["uuid"], s["age"], s["chunks"], _fmt_size(s["chunk_bytes"])))
+        print("  staged chunks: %d (%s); pending: %s" % (
+            db["staged_chunks"], _fmt_size(db["staged_chunk_bytes"]),
+            _fmt_size(db["pending_bytes"])))
+    return EXIT_OK
+
+
+# -- argument parsing ---------------------------------------------------------------
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("%r is not a number" % text) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("%r must not be negative" % text)
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more logging (-vv for debug)")
+    common.add_argument("-q", "--quiet", action="store_true", help="errors only")
+
+    store = argparse.ArgumentParser(add_help=False)
+    store.add_argument("--store", metavar="URL",
+                       help="store: file:///dir, /dir, s3://bucket?..., @config.json or JSON "
+                            "(default: $VERNEUIL_CONFIG)")
+    spool = argparse.ArgumentParser(add_help=False)
+    spool.add_argument("--spool", metavar="DIR",
+                       help="spool directory (default: replication_spooling_dir of the config)")
+    target = argparse.ArgumentParser(add_help=False)
+    target.add_argument("--hostname", help="host the database lives on (default: this one)")
+    target.add_argument("-s", "--source-path", metavar="PATH",
+                        help="path of the database on its host (made canonical without --hostname)")
+    target.add_argument("-m", "--manifest", metavar="NAME", help="manifest blob name")
+    target.add_argument("--manifest-file", metavar="FILE",
+                        help="a manifest blob in a local file (zstd or raw)")
+    target.add_argument("--version-id", metavar="ID",
+                        help="an older version of the manifest (versioned buckets)")
+    pacing = argparse.ArgumentParser(add_help=False)
+    pacing.add_argument("--rate", type=_positive_float,
+                        help="store requests per second (0 = unpaced; default 30)")
+    pacing.add_argument("--burst", type=int, help="token bucket burst (default 100)")
+    pacing.add_argument("--workers", type=int, help="parallel chunk uploads (default 4)")
+    pacing.add_argument("--db-workers", type=int, help="databases handled at once (default 4)")
+    pacing.add_argument("--lock-timeout", type=_positive_float,
+                        help="seconds to wait for a database's copier lock (default 5)")
+
+    parser = argparse.ArgumentParser(
+        prog="verneuilctl",
+        description="Replicate, inspect and restore SQLite databases (Verneuil-compatible).")
+    # Also accepted before the subcommand (own dests: a subparser's defaults
+    # would overwrite values parsed by the main parser).
+    parser.add_argument("-v", "--verbose", dest="verbose0", action="count", default=0,
+                        help="more logging (-vv for debug)")
+    parser.add_argument("-q", "--quiet", dest="quiet0", action="store_true", help="errors only")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("fingerprint", parents=[common],
+                       help="UMASH fingerprint of a file's bytes",
+                       description="Print the 128-bit UMASH fingerprint of FILE's bytes, spelled "
+                                   "%016x%2F%016x (a chunk name).")
+    p.add_argument("--key", default="chunk",
+                   help="parameter key: chunk, directory, header, path, hostname, mangling, or a "
+                        "literal key string of at most 32 bytes (default: chunk)")
+    p.add_argument("--hash64", action="store_true", help="print the 64-bit hash (16 hex digits)")
+    p.add_argument("--chunks", action="store_true",
+                   help="one line per 64 KiB chunk of the file")
+    p.add_argument("file", metavar="FILE", help="input file ('-' for stdin)")
+    p.set_defaults(func=cmd_fingerprint)
+
+    p = sub.add_parser("manifest-name", parents=[common],
+                       help="manifest blob name of a database path",
+                       description="Print the manifest blob name of PATH on HOST (default: this "
+                                   "host, and PATH made canonical).")
+    p.add_argument("--hostname", help="host name (PATH is then used as written)")
+    p.add_argument("path", metavar="PATH")
+    p.set_defaults(func=cmd_manifest_name)
+
+    p = sub.add_parser("copier", parents=[common, store, spool, pacing],
+                       help="copy a spool to a store until SIGTERM/SIGINT",
+                       description="Run a copier daemon. Any number may run on one spool.")
+    p.add_argument("--poll-interval", type=_positive_float,
+                   help="seconds between idle passes (default 0.2)")
+    p.set_defaults(func=cmd_copier)
+
+    p = sub.add_parser("flush", parents=[common, store, spool, pacing],
+                       help="upload everything pending in a spool, once",
+                       description="Upload every pending snapshot; exit 0 only when the store "
+                                   "holds them all.")
+    p.add_argument("--timeout", type=_positive_float, default=120.0,
+                   help="give up after this many seconds (default 120)")
+    p.set_defaults(func=cmd_flush)
+
+    p = sub.add_parser("sync", parents=[common, store, spool, pacing],
+                       help="force a snapshot of databases through the VFS, then flush them",
+                       description="Open each DB with the verneuil VFS, commit a no-op write "
+                                   "transaction (so the VFS publishes a snapshot), then upload.")
+    p.add_argument("--timeout", type=_positive_float, default=120.0,
+                   help="give up after this many seconds (default 120)")
+    p.add_argument("db", nargs="+", metavar="DB", help="database file")
+    p.set_defaults(func=cmd_sync)
+
+    p = sub.add_parser("restore", parents=[common, store, target],
+                       help="rebuild a database file from the store",
+                       description="Fetch a manifest and its chunks, verify every chunk, and "
+                                   "write the database atomically (temp file + rename).")
+    p.add_argument("-o", "--out", required=True, metavar="FILE",
+                   help="output file, or '-' for stdout")
+    p.set_defaults(func=cmd_restore)
+
+    p = sub.add_parser("ls", parents=[common, store],
+                       help="replicated databases in a store",
+                       description="List replicated databases: host, path, size, ctime, versions.")
+    p.add_argument("--hostname", help="only this host's databases")
+    p.add_argument("--json", action="store_true", help="JSON output")
+    p.add_argument("--no-versions", action="store_true",
+                   help="do not count versions (one request less per database)")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("manifest", parents=[common, store, target],
+                       help="decode one manifest",
+                       description="Decode and validate one manifest; human-readable or JSON.")
+    p.add_argument("--json", action="store_true", help="JSON output (includes the chunk list)")
+    p.add_argument("--chunks", action="store_true", help="list every chunk")
+    p.set_defaults(func=cmd_manifest)
+
+    p = sub.add_parser("lag", parents=[common, store, spool],
+                       help="how far each database in a spool is behind",
+                       description="For each database in the spool: pending snapshots, staged "
+                                   "chunks and bytes, staged manifest age, and (with a store) "
+                                   "whether the store holds the latest snapshot.")
+    p.add_argument("--json", action="store_true", help="JSON output")
+    p.add_argument("--no-store", action="store_true", help="do not compare with the store")
+    p.set_defaults(func=cmd_lag)
+    return parser
+
+
+def _setup_logging(verbose: int, quiet: bool) -> None:
+    level = logging.ERROR if quiet else (
+        logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
+    logging.basicConfig(level=level, format="verneuilctl: %(levelname)s: %(message)s",
+                        stream=sys.stderr)
+    if verbose < 3:  # botocore's debug output is rarely what one wants
+        logging.getLogger("botocore").setLevel(max(level, logging.INFO))
+        logging.getLogger("urllib3").setLevel(max(level, logging.INFO))
+
+
+def _error(message: str) -> None:
+    sys.stderr.write("verneuilctl: error: %s\n" % " ".join(str(message).split("\n")))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.verbose += args.verbose0
+    args.quiet = args.quiet or args.quiet0
+    _setup_logging(args.verbose, args.quiet)
+    from .copier import NotASpool, RestoreError, Stopped
+    from .format import BadName, ChunkError, ManifestError
+    from .store import ConfigError, StoreError
+    try:
+        return args.func(args)
+    except UserError as e:
+        _error(str(e))
+        return e.exit_code
+    except ConfigError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    except NotASpool as e:
+        _error(str(e))
+        return EXIT_USAGE
+    except (StoreError, RestoreError, ManifestError, ChunkError, BadName, TimeoutError) as e:
+        _error(str(e))
+        return EXIT_ERROR
+    except Stopped:
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        try:
+            sys.stdout.close()
+        except OSError:
+            pass
+        return EXIT_ERROR
+    except OSError as e:
+        _error("%s%s" % (e.strerror or e, ": %s" % e.filename if e.filename else ""))
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Configuration shared by the command-line tools: where the store and the
+spool are, and the copier's settings.
+
+The store spec syntax belongs to `verneuil_fuse.store.config`; this module
+only decides which spec applies (`--store`, else VERNEUIL_CONFIG) and reads
+the keys around it:
+
+- `replication_spooling_dir` (Verneuil's key): the spool directory;
+- `copier` (this project's addition, optional): an object with any of
+  `rate` (requests per second, 0 = unpaced), `burst`, `workers`, `db_workers`,
+  `poll_interval`, `lock_timeout`, `touch_interval` (seconds).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from .store import ConfigError, parse_config
+
+ENV_VAR = "VERNEUIL_CONFIG"
+SPOOL_KEY = "replication_spooling_dir"
+COPIER_KEY = "copier"
+COPIER_OPTIONS = {"rate": float, "burst": int, "workers": int, "db_workers": int,
+                  "poll_interval": float,
+                  "lock_timeout": float, "touch_interval": float}
+
+
+def load(store_arg: Optional[str] = None) -> dict[str, Any]:
+    """The configuration `--store` names, else VERNEUIL_CONFIG's."""
+    return parse_config(store_arg)
+
+
+def load_optional(store_arg: Optional[str] = None) -> dict[str, Any]:
+    """Like `load`, but {} when nothing is configured at all."""
+    if store_arg is None and not os.environ.get(ENV_VAR, "").strip():
+        return {}
+    return load(store_arg)
+
+
+def spool_dir(spool_arg: Optional[str], store_arg: Optional[str] = None) -> str:
+    """`--spool`, else `replication_spooling_dir` from the `--store` config
+    (when it is a config) or from VERNEUIL_CONFIG."""
+    if spool_arg:
+        return spool_arg
+    for spec in (store_arg, None) if store_arg else (None,):
+        try:
+            cfg = load_optional(spec)
+        except ConfigError:
+            if spec is None:
+                raise
+            continue
+        value = cfg.get(SPOOL_KEY)
+        if value:
+            if not isinstance(value, str):
+                raise ConfigError("%s must be a path string" % SPOOL_KEY)
+            return value
+    raise ConfigError("no spool directory: pass --spool DIR or set %s in %s"
+                      % (SPOOL_KEY, ENV_VAR))
+
+
+def copier_options(config: dict[str, Any]) -> dict[str, Any]:
+    """Copier keyword arguments from the optional `copier` object."""
+    section = config.get(COPIER_KEY) or {}
+    if not isinstance(section, dict):
+        raise ConfigError("%s must be an object" % COPIER_KEY)
+    out: dict[str, Any] = {}
+    for key, value in section.items():
+        kind = COPIER_OPTIONS.get(key)
+        if kind is None:
+            raise ConfigError("unknown %s option %r (known: %s)"
+                              % (COPIER_KEY, key, ", ".join(sorted(COPIER_OPTIONS))))
+        try:
+            out[key] = kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError("%s.%s must be a number" % (COPIER_KEY, key)) from None
+    return out

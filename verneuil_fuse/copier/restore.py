@@ -1,0 +1,137 @@
+"""Read a replica back out of a store: fetch and validate a manifest, then
+rebuild the database file from its chunks, every one verified.
+
+Used by `verneuilctl restore` / `manifest` / `ls` and by the tests that check
+copiers end to end.  A wrong byte is never written: chunks are checked
+against their full 128-bit fingerprints, and files are published by rename
+only once complete.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from typing import BinaryIO, Callable, Optional
+
+from .. import format as fmt
+from ..store import NotFound
+from .pool import DaemonPool
+
+
+class RestoreError(Exception):
+    """A replica that cannot be restored (missing or corrupt); one line."""
+
+
+def chunk_fetcher(store) -> Callable[[fmt.Fprint], bytes]:
+    def fetch(fp: fmt.Fprint) -> bytes:
+        if fp == fmt.ZERO_CHUNK_FPRINT:
+            return bytes(fmt.CHUNK_SIZE)
+        try:
+            blob = store.chunks.get(fp.name)
+        except NotFound:
+            raise RestoreError("chunk %s is missing from the store" % fp.name) from None
+        try:
+            return fmt.decode_chunk(blob, fp)
+        except fmt.ChunkError as e:
+            raise RestoreError("corrupt chunk in the store: %s" % e) from None
+    return fetch
+
+
+def load_manifest_blob(store, name: str, version_id: Optional[str] = None) -> bytes:
+    try:
+        if version_id is None:
+            return store.manifests.get(name)
+        return store.manifests.get_version(name, version_id)
+    except NotFound:
+        what = "manifest %s" % name if version_id is None else \
+            "version %s of manifest %s" % (version_id, name)
+        raise RestoreError("no such replicated database in %s: %s"
+                           % (store.manifests.describe(), what)) from None
+
+
+def decode_manifest(blob: bytes, store=None, what: str = "manifest") -> fmt.Manifest:
+    fetch = chunk_fetcher(store) if store is not None else None
+    try:
+        return fmt.decode_and_validate(blob, fetch_chunk=fetch)
+    except fmt.ManifestError as e:
+        raise RestoreError("corrupt %s: %s" % (what, e)) from None
+
+
+def fetch_manifest(store, name: str, version_id: Optional[str] = None) -> fmt.Manifest:
+    return decode_manifest(load_manifest_blob(store, name, version_id), store,
+                           "manifest %s" % name)
+
+
+def write_snapshot(store, m: fmt.Manifest, out: BinaryIO, *, workers: int = 8,
+                   window: int = 64, progress: Optional[Callable[[int, int], None]] = None) -> int:
+    """Write the file `m` describes to `out`, in order, fetching chunks in
+    parallel; returns the number of bytes written."""
+    fetch = chunk_fetcher(store)
+    pool = DaemonPool(workers, name="restore")
+    written = 0
+    try:
+        n = len(m.chunks)
+        for start in range(0, n, window):
+            indexes = range(start, min(n, start + window))
+
+            def get(i: int) -> bytes:
+                if i in m.bundled:
+                    return m.bundled[i]
+                return fetch(m.chunks[i])
+
+            for i, (ok, value) in zip(indexes, pool.map(get, indexes)):
+                if not ok:
+                    raise value
+                data = value
+                want = m.chunk_length(i)
+                if len(data) < want and m.chunks[i] == fmt.ZERO_CHUNK_FPRINT:
+                    data = bytes(want)
+                if len(data) != want:
+                    raise RestoreError("chunk %d (%s) has %d bytes, the manifest says %d"
+                                       % (i, m.chunks[i].name, len(data), want))
+                out.write(data)
+                written += len(data)
+                if progress is not None:
+                    progress(written, m.len)
+    finally:
+        pool.close()
+    return written
+
+
+def restore_to_path(store, m: fmt.Manifest, path: str, **kw) -> int:
+    """Write the snapshot to `path` atomically: a temporary file in the same
+    directory, fsynced, then renamed over `path`."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".%s." % os.path.basename(path), suffix=".tmp",
+                               dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            n = write_snapshot(store, m, f, **kw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644 & ~_umask())
+        os.rename(tmp, path)
+        return n
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+_umask_lock = threading.Lock()
+
+
+def _umask() -> int:
+    with _umask_lock:
+        mask = os.umask(0)
+        os.umask(mask)
+    return mask
+
+
+def restore_bytes(store, m: fmt.Manifest) -> bytes:
+    import io
+    buf = io.BytesIO()
+    write_snapshot(store, m, buf)
+    return buf.getvalue()

@@ -1,0 +1,262 @@
+"""The spool as copiers see it (docs/SPOOL.md): paths, names, identities.
+
+Nothing here talks to a store.  Everything is a plain POSIX operation on the
+tree the writer VFS maintains; the only state copiers add is `copier.lock`
+and `copier.touched` in each database's directory and `dead-letter/` in the
+boot root.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import re
+import stat
+import struct
+import time
+import uuid
+from typing import NamedTuple, Optional
+
+log = logging.getLogger(__name__)
+
+STAGING = "staging"
+READY = "ready"
+CONSUMING = "consuming"
+CHUNKS = "chunks"
+META = "meta"
+SCRATCH = "scratch"
+SOURCE = "source"
+LOCK_FILE = "copier.lock"
+TOUCHED_FILE = "copier.touched"
+DEAD_LETTER = "dead-letter"
+
+# "<boot_id>.<boot_time>": a UUID, a dot, the ctime of /proc/1 in seconds.
+BOOT_ROOT_RE = re.compile(r"\A[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
+                          r"[0-9a-fA-F]{12}\.[0-9]+\Z")
+# "%016llx.%llx.%llx": hash64(path), st_dev, st_ino.
+DBDIR_RE = re.compile(r"\A[0-9a-f]{16}\.[0-9a-f]+\.[0-9a-f]+\Z")
+
+
+class NotASpool(Exception):
+    """A path that is not (and does not look like) a spool directory."""
+
+
+def boot_id() -> str:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+
+
+def boot_time() -> int:
+    return int(os.stat("/proc/1").st_ctime)
+
+
+def current_boot_root_name() -> str:
+    return "%s.%d" % (boot_id(), boot_time())
+
+
+def dbdir_name(path: str) -> str:
+    """The per-database directory name the writer uses for `path`."""
+    from ..format import PATH_KEY, hash64
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return "%016x.%x.%x" % (hash64(os.fsencode(real), PATH_KEY), st.st_dev, st.st_ino)
+
+
+def check_spool(spool: str, create: bool = False) -> None:
+    """Raise NotASpool unless `spool` is a directory holding only boot roots
+    (an empty directory is an empty spool).  With `create`, a missing
+    directory is made (0700)."""
+    try:
+        st = os.stat(spool)
+    except FileNotFoundError:
+        if not create:
+            raise NotASpool("%s: no such spool directory" % spool) from None
+        os.makedirs(spool, mode=0o700, exist_ok=True)
+        return
+    except OSError as e:
+        raise NotASpool("%s: %s" % (spool, e.strerror)) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotASpool("%s is not a directory, so not a spool" % spool)
+    try:
+        entries = os.listdir(spool)
+    except OSError as e:
+        raise NotASpool("%s: %s" % (spool, e.strerror)) from None
+    for name in entries:
+        if not BOOT_ROOT_RE.match(name) or not os.path.isdir(os.path.join(spool, name)):
+            raise NotASpool("%s is not a spool directory (unexpected entry %r)" % (spool, name))
+
+
+class DbDir(NamedTuple):
+    """One database's directory in the current boot root."""
+
+    root: str   # the boot root
+    name: str   # the dbdir name
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.root, self.name)
+
+    def sub(self, *parts: str) -> str:
+        return os.path.join(self.root, self.name, *parts)
+
+    def source(self) -> Optional[str]:
+        try:
+            with open(self.sub(SOURCE), "rb") as f:
+                return os.fsdecode(f.read().rstrip(b"\n"))
+        except OSError:
+            return None
+
+
+def list_dbdirs(root: str) -> list[DbDir]:
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    return [DbDir(root, n) for n in sorted(names) if DBDIR_RE.match(n)]
+
+
+def boot_roots(spool: str) -> tuple[list[str], list[str]]:
+    """(roots of this boot, roots of earlier boots) in `spool`.
+
+    A root belongs to this boot when its boot id is the current one.  Its
+    boot time normally matches too, but the ctime of /proc/1 can change
+    within one boot (procfs inodes are rebuilt when evicted), and a writer
+    that computed another one still writes there: it is copied, not deleted.
+    """
+    try:
+        names = os.listdir(spool)
+    except FileNotFoundError:
+        return [], []
+    prefix = boot_id() + "."
+    current_name = current_boot_root_name()
+    mine, earlier = [], []
+    for n in sorted(names):
+        if not BOOT_ROOT_RE.match(n):
+            continue
+        (mine if n.startswith(prefix) else earlier).append(os.path.join(spool, n))
+    # The canonical root first (dead letters and new state go there).
+    mine.sort(key=lambda p: os.path.basename(p) != current_name)
+    return mine, earlier
+
+
+def listdir_or_empty(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+# --- file identity (the seqlock's "version" of a staged manifest) -----------
+
+class Identity(NamedTuple):
+    dev: int
+    ino: int
+    btime_ns: int   # 0 where the filesystem records no birth time
+    ctime_ns: int
+    size: int
+
+
+_AT_FDCWD = -100
+_AT_EMPTY_PATH = 0x1000
+_STATX_BASIC_STATS = 0x7FF
+_STATX_BTIME = 0x800
+_statx = None
+try:
+    _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    _statx = _libc.statx
+    _statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint,
+                       ctypes.c_void_p]
+    _statx.restype = ctypes.c_int
+except (OSError, AttributeError):  # no libc statx: fall back to stat(2)
+    _statx = None
+
+
+def _identity_statx(dirfd: int, path: bytes, flags: int) -> Identity:
+    buf = ctypes.create_string_buffer(256)
+    if _statx(dirfd, path, flags, _STATX_BASIC_STATS | _STATX_BTIME, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), os.fsdecode(path))
+    raw = buf.raw
+    mask, = struct.unpack_from("<I", raw, 0)
+    ino, size = struct.unpack_from("<QQ", raw, 32)
+    b_sec, b_nsec = struct.unpack_from("<qI", raw, 80)
+    c_sec, c_nsec = struct.unpack_from("<qI", raw, 96)
+    dev_major, dev_minor = struct.unpack_from("<II", raw, 136)
+    btime = b_sec * 1_000_000_000 + b_nsec if mask & _STATX_BTIME else 0
+    return Identity(os.makedev(dev_major, dev_minor), ino, btime,
+                    c_sec * 1_000_000_000 + c_nsec, size)
+
+
+def identity_of_path(path: str) -> Identity:
+    """(dev, ino, birth time, ctime, size) of the file at `path`."""
+    if _statx is not None:
+        return _identity_statx(_AT_FDCWD, os.fsencode(path), 0)
+    st = os.stat(path)
+    return Identity(st.st_dev, st.st_ino, 0, st.st_ctime_ns, st.st_size)
+
+
+def identity_of_fd(fd: int) -> Identity:
+    if _statx is not None:
+        return _identity_statx(fd, b"", _AT_EMPTY_PATH)
+    st = os.fstat(fd)
+    return Identity(st.st_dev, st.st_ino, 0, st.st_ctime_ns, st.st_size)
+
+
+# --- dead letters ------------------------------------------------------------
+
+def dead_letter(root: str, path: str, label: str) -> Optional[str]:
+    """Move `path` (a file or directory copiers did not expect) into
+    `<root>/dead-letter/`, under a unique name built from `label`.  Returns
+    the new path, or None if `path` vanished meanwhile."""
+    target_dir = os.path.join(root, DEAD_LETTER)
+    os.makedirs(target_dir, exist_ok=True)
+    safe = re.sub(r"[^A-Za-z0-9._%-]", "_", label)[:180]
+    target = os.path.join(target_dir, "%s.%d.%s" % (safe, int(time.time()), uuid.uuid4().hex[:8]))
+    try:
+        os.rename(path, target)
+    except FileNotFoundError:
+        return None
+    log.warning("moved unexpected %s to %s", path, target)
+    return target
+
+
+def unlink_quiet(path: str, dir_fd: Optional[int] = None) -> bool:
+    """Unlink; True if we removed it, False if it was already gone."""
+    try:
+        os.unlink(path, dir_fd=dir_fd)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def rmdir_quiet(path: str) -> Optional[int]:
+    """rmdir; None if the directory is gone now, else the errno (ENOTEMPTY...)."""
+    try:
+        os.rmdir(path)
+        return None
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return e.errno
+
+
+def tree_size(path: str) -> tuple[int, int]:
+    """(number of files, bytes) under `path` (0, 0 if absent)."""
+    files = size = 0
+    for dirpath, _dirs, names in os.walk(path):
+        for n in names:
+            try:
+                size += os.lstat(os.path.join(dirpath, n)).st_size
+                files += 1
+            except FileNotFoundError:
+                pass
+    return files, size
+
+
+def is_enotempty(err: Optional[int]) -> bool:
+    return err in (errno.ENOTEMPTY, errno.EEXIST)
+
+
+UUID_RE = re.compile(r"\A[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\Z")

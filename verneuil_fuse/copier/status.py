@@ -1,0 +1,111 @@
+"""How far each database in a spool is behind (for `verneuilctl lag`).
+
+Everything comes from the spool itself (no copier state is needed): pending
+snapshots in `ready`/`consuming`, staged chunks not yet uploaded, the age of
+the staged manifest, whether the source file moved past it; and, given a
+store, whether the store holds exactly the staged manifest.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+from .. import format as fmt
+from ..store import NotFound
+from . import spool as sp
+
+
+def _snapshot_dirs(db: sp.DbDir, which: str) -> list[dict]:
+    out = []
+    top = db.sub(which)
+    for name in sp.listdir_or_empty(top):
+        path = os.path.join(top, name)
+        try:
+            mtime = os.stat(path).st_mtime
+        except FileNotFoundError:
+            continue
+        files, size = sp.tree_size(os.path.join(path, sp.CHUNKS))
+        out.append({"uuid": name, "age": max(0.0, time.time() - mtime),
+                    "chunks": files, "chunk_bytes": size})
+    return out
+
+
+def _store_manifest_raw(store, name: str) -> Optional[bytes]:
+    try:
+        blob = store.manifests.get(name)
+    except NotFound:
+        return None
+    if blob.startswith(fmt.ZSTD_MAGIC):
+        import zstandard
+        try:
+            with zstandard.ZstdDecompressor().stream_reader(blob) as r:
+                return r.read(fmt.MAX_MANIFEST_BYTES + 1)
+        except zstandard.ZstdError:
+            return blob
+    return blob
+
+
+def db_status(db: sp.DbDir, store=None) -> dict:
+    now = time.time()
+    source = db.source()
+    info: dict = {"dbdir": db.name, "source": source}
+    staged_files, staged_bytes = sp.tree_size(db.sub(sp.STAGING, sp.CHUNKS))
+    info["staged_chunks"] = staged_files
+    info["staged_chunk_bytes"] = staged_bytes
+    info["ready"] = _snapshot_dirs(db, sp.READY)
+    info["consuming"] = _snapshot_dirs(db, sp.CONSUMING)
+    pending_bytes = staged_bytes + sum(s["chunk_bytes"] for s in info["ready"] + info["consuming"])
+    info["pending_bytes"] = pending_bytes
+    manifests = []
+    meta_dir = db.sub(sp.STAGING, sp.META)
+    for name in sorted(sp.listdir_or_empty(meta_dir)):
+        path = os.path.join(meta_dir, name)
+        entry: dict = {"name": name}
+        try:
+            mtime = os.stat(path).st_mtime
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            continue
+        entry["age"] = max(0.0, now - mtime)
+        try:
+            m = fmt.decode_and_validate(raw)
+        except fmt.ManifestError as e:
+            # A chunk list XOR-ed with a base chunk needs the store to decode;
+            # the spool status fetches nothing, so that is not an error here.
+            m = None
+            if e.rule != "base-chunk":
+                entry["error"] = str(e)
+        if m is not None:
+            entry["len"] = m.len
+            entry["chunks"] = len(m.chunks)
+            if source:
+                try:
+                    with open(source, "rb") as f:
+                        header = f.read(100)
+                    entry["source_changed"] = fmt.header_fprint_of(header) != m.header_fprint
+                except OSError:
+                    entry["source_changed"] = None
+        if store is not None:
+            remote = _store_manifest_raw(store, name)
+            entry["in_store"] = ("missing" if remote is None
+                                 else "current" if remote == raw else "behind")
+        manifests.append(entry)
+    info["manifests"] = manifests
+    # Lag: how old the oldest snapshot not yet in the store is (0 if in sync).
+    ages = [s["age"] for s in info["ready"] + info["consuming"]]
+    for entry in manifests:
+        if entry.get("in_store", "behind") != "current":
+            ages.append(entry["age"])
+    in_sync = not ages and staged_files == 0 and all(
+        e.get("in_store") == "current" for e in manifests)
+    info["lag"] = 0.0 if in_sync else (max(ages) if ages else None)
+    info["in_sync"] = in_sync if store is not None else None
+    return info
+
+
+def spool_status(spool_dir: str, store=None) -> list[dict]:
+    sp.check_spool(spool_dir)
+    return [db_status(db, store) for root in sp.boot_roots(spool_dir)[0]
+            for db in sp.list_dbdirs(root)]
