@@ -5,10 +5,25 @@
   Python's sqlite3 module.
 - writer_vfs/libverneuil_vfs: the same C built as a SQLite loadable extension.
 """
-from setuptools import setup
+from setuptools import Extension, setup
+
+# The verneuil VFS as a SQLite loadable extension (`.load` in the sqlite3
+# shell): no -lsqlite3, every SQLite call goes through sqlite3_api; only the
+# entry points are exported.
+_VFS_SOURCES = ["csrc/vfs.c", "csrc/tracker.c", "csrc/spool.c",
+                "csrc/manifest_pb.c", "csrc/umash.c"]
+_LOADABLE_VFS = Extension(
+    "writer_vfs.libverneuil_vfs",
+    sources=_VFS_SOURCES,
+    include_dirs=["csrc"],
+    define_macros=[("VN_LOADABLE_EXTENSION", "1")],
+    extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-fvisibility=hidden"],
+)
 
 setup(
     cffi_modules=[
         "verneuil_fuse/format/_umash_build.py:ffibuilder",
+        "writer_vfs/_vfs_build.py:ffibuilder",
     ],
+    ext_modules=[_LOADABLE_VFS],
 )

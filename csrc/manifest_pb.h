@@ -1,0 +1,68 @@
+/*
+ * A small protobuf encoder/decoder for the Manifest of FORMAT.md
+ * (proto/manifest.proto), just what the writer needs.
+ *
+ * The encoder writes fields in field-number order and omits proto3 default
+ * scalars, like prost (Verneuil) and the Python protobuf runtime, so that
+ * equal manifests have equal bytes.  The decoder accepts any valid encoding
+ * (packed or unpacked `chunks`, unknown fields skipped).
+ *
+ * No I/O, no SQLite: plain bytes in, bytes out.
+ */
+#ifndef VN_MANIFEST_PB_H
+#define VN_MANIFEST_PB_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "umash.h"
+
+/* The producer tag this project writes in `generated_by` (FORMAT.md). */
+#define VN_GENERATED_BY "verneuil_fuse-v0.1.0"
+
+/* Verneuil's cap on a decompressed manifest (FORMAT.md): 384 MiB. */
+#define VN_MAX_MANIFEST_BYTES ((size_t)3 << 27)
+
+/* Longest version_id we produce or accept for incremental reuse: 16 bytes of
+ * UUID (the xattr) + 16 bytes of header fingerprint, with room to spare for
+ * another writer's xattr format. */
+#define VN_MAX_VERSION_ID 64
+
+struct vn_manifest {
+	struct vn_umash_fp header_fprint;
+	struct vn_umash_fp contents_fprint;
+	int has_header_fprint;
+	int has_contents_fprint;
+	int has_base_chunks_fprint; /* the decoder reports it; we never write it */
+	uint8_t version_id[VN_MAX_VERSION_ID];
+	size_t version_id_len;
+	uint64_t len;
+	int64_t ctime;
+	int32_t ctime_ns;
+	/* 2 words per chunk: major, minor.  Decoder: malloc'ed, caller frees. */
+	uint64_t *chunks;
+	size_t n_words;
+	/* Bundled chunk 0 (the only bundle we write or look at). */
+	const uint8_t *bundled0;
+	size_t bundled0_len;
+	int has_bundled0;
+};
+
+/*
+ * Encodes `m` (with chunk 0's bytes in bundled0/bundled0_len when
+ * has_bundled0; its fingerprint is chunks[0..2]).  On success returns 0 and a
+ * malloc'ed buffer in *out; -1 on allocation failure or oversize.
+ */
+int vn_manifest_encode(const struct vn_manifest *m, uint8_t **out,
+    size_t *out_len);
+
+/*
+ * Decodes `buf` into *m.  On success returns 0; m->chunks is malloc'ed (free
+ * it with vn_manifest_release) and bundled0 points into `buf`.  Returns -1 on
+ * malformed input or allocation failure (then nothing needs freeing).
+ */
+int vn_manifest_decode(const uint8_t *buf, size_t len, struct vn_manifest *m);
+
+void vn_manifest_release(struct vn_manifest *m);
+
+#endif /* VN_MANIFEST_PB_H */

@@ -1,0 +1,156 @@
+/*
+ * The spool (docs/SPOOL.md): boot root, per-database directory, staging and
+ * ready snapshots, publish by rename, garbage collection.
+ *
+ * Everything here is a wait-free sequence of POSIX file operations: files are
+ * fully written and made read-only in `staging/scratch` before rename(2)
+ * publishes them, so a crash at any point leaves only unreferenced scratch.
+ * Nothing is fsynced: the boot root changes after a reboot, so state from a
+ * previous boot is never trusted.
+ *
+ * Callers (tracker.c) hold SQLite's SHARED lock on the database while they
+ * use a session: that is the only synchronisation between writers.
+ *
+ * Functions return 0 on success or an errno value, and record in
+ * session->what which operation failed, for the log.
+ */
+#ifndef VN_SPOOL_H
+#define VN_SPOOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <time.h>
+
+#include "umash.h"
+
+/* FORMAT.md: chunks are 64 KiB (SQLite's largest page), aligned on file
+ * offsets; the last one may be short. */
+#define VN_CHUNK_SIZE 65536
+
+/* FORMAT.md: chunk names are "%016x%%2F%016x": 35 characters. */
+#define VN_CHUNK_NAME_LEN 35
+
+/* FORMAT.md: a percent-encoded manifest name of this many bytes or more is
+ * shortened to its first and last VN_MANGLE_KEEP bytes around a fingerprint;
+ * so a name never exceeds 2 * 104 + 32 = 240 bytes (NAME_MAX is 255). */
+#define VN_MANGLE_THRESHOLD 230
+#define VN_MANGLE_KEEP 104
+#define VN_MANIFEST_NAME_MAX (2 * VN_MANGLE_KEEP + 32 + 1)
+
+/* The six parameter sets of FORMAT.md, derived once at registration. */
+struct vn_keys {
+	struct vn_umash_params chunk;
+	struct vn_umash_params directory;
+	struct vn_umash_params header;
+	struct vn_umash_params path;
+	struct vn_umash_params hostname;
+	struct vn_umash_params mangling;
+	struct vn_umash_fp zero_chunk; /* fingerprint of 64 KiB of zeros */
+};
+
+void vn_keys_derive(struct vn_keys *keys);
+
+/* Where one database's snapshots live. */
+struct vn_spool {
+	char *db_dir;  /* <spool>/<boot_id>.<boot_time>/<dbdir> */
+	char *source;  /* canonical path of the database */
+	char manifest_name[VN_MANIFEST_NAME_MAX];
+};
+
+/*
+ * Computes the paths for the database at canonical path `canon` (which must
+ * exist: its st_dev and st_ino name the directory).  Creates nothing.
+ */
+int vn_spool_init(struct vn_spool *spool, const struct vn_keys *keys,
+    const char *spool_root, const char *canon);
+void vn_spool_fini(struct vn_spool *spool);
+
+/* The manifest name of FORMAT.md for `canon` on this host. */
+int vn_manifest_name(const struct vn_keys *keys, const char *canon,
+    char out[VN_MANIFEST_NAME_MAX]);
+
+/* "%016x%2F%016x" */
+void vn_chunk_name(uint64_t major, uint64_t minor,
+    char out[VN_CHUNK_NAME_LEN + 1]);
+
+/* Fills `buf` with random bytes (getrandom(2); never fails silently: falls
+ * back to /dev/urandom, then to clock and pid mixing). */
+void vn_random_bytes(void *buf, size_t n);
+
+/* Identity of a published file's contents: published files are never
+ * modified, so the same inode with the same size and mtime has the same
+ * bytes (ctime is left out: a rename changes it). */
+struct vn_file_id {
+	uint64_t dev, ino, size;
+	int64_t mtime_sec, mtime_nsec;
+};
+
+int vn_file_id_equal(const struct vn_file_id *a, const struct vn_file_id *b);
+
+/* Open directories of one database's spool (kept across snapshots). */
+struct vn_spool_session {
+	int db_fd;      /* <dbdir> */
+	int chunks_fd;  /* staging/chunks */
+	int meta_fd;    /* staging/meta */
+	int scratch_fd; /* staging/scratch */
+	const char *what; /* the operation that failed, for the log */
+};
+
+/* Opens (creating as needed) the directories and the `source` file. */
+int vn_spool_open(const struct vn_spool *spool, struct vn_spool_session *s);
+void vn_spool_close(struct vn_spool_session *s);
+
+/* Marks a session closed without closing anything (initialisation). */
+void vn_spool_session_init(struct vn_spool_session *s);
+
+/* Whether a session's directories are open and still linked (someone may
+ * have deleted the spool since). */
+int vn_spool_session_valid(const struct vn_spool_session *s);
+
+/* Identity of staging/meta/<name> now: 0, or an errno value. */
+int vn_spool_manifest_id(struct vn_spool_session *s,
+    const struct vn_spool *spool, struct vn_file_id *id);
+
+/* Stages a chunk unless a file of that name is already staged; *created
+ * tells whether a file was written. */
+int vn_spool_stage_chunk(struct vn_spool_session *s, uint64_t major,
+    uint64_t minor, const void *data, size_t n, int *created);
+
+/* Reads staging/meta/<name>: 0 and a malloc'ed buffer, or an errno value
+ * (ENOENT when there is no staged manifest). */
+int vn_spool_read_manifest(struct vn_spool_session *s,
+    const struct vn_spool *spool, uint8_t **buf, size_t *len,
+    struct vn_file_id *id);
+
+/* Writes the manifest in scratch, then renames it over staging/meta/<name>;
+ * *id receives the identity of what was written. */
+int vn_spool_publish_manifest(struct vn_spool_session *s,
+    const struct vn_spool *spool, const uint8_t *buf, size_t len,
+    struct vn_file_id *id);
+
+/*
+ * If `ready` is missing or empty, publishes ready/<uuid>/{chunks,meta}
+ * with hard links to every staged chunk of `words` (n_chunks fingerprints)
+ * and a copy of the manifest; *published tells whether it did.  After a
+ * publication every file in staging/chunks is deleted (they now live in
+ * ready, or are useless).
+ */
+int vn_spool_publish_ready(struct vn_spool_session *s,
+    const struct vn_spool *spool, const uint8_t *manifest, size_t len,
+    const uint64_t *words, size_t n_chunks, int *published);
+
+/*
+ * Deletes staged chunks that `words` (n_chunks fingerprints) does not name,
+ * and scratch entries older than VN_SCRATCH_STALE_SECONDS; *removed counts
+ * the deleted chunk files.
+ */
+int vn_spool_gc(struct vn_spool_session *s, const uint64_t *words,
+    size_t n_chunks, size_t *removed);
+
+/* Computes "<spool_root>/<boot root>/<dbdir>" for `db_path` (made canonical
+ * here) into out; for tools and tests. */
+int vn_spool_db_dir(const struct vn_keys *keys, const char *spool_root,
+    const char *db_path, char *out, size_t cap);
+
+#endif /* VN_SPOOL_H */

@@ -1,0 +1,118 @@
+/*
+ * Change tracking for one open main database file: dirty 64 KiB chunks,
+ * version ids (FORMAT.md, "Change detection on the writer"), and building a
+ * snapshot in the spool after a write transaction.
+ *
+ * The VFS (vfs.c) calls, in this order for each write transaction:
+ *   vn_tracker_write_locked()  when the lock goes from < RESERVED to >= RESERVED
+ *   vn_tracker_before_write()  before every xWrite/xTruncate (writes the new
+ *                              version xattr before the first one)
+ *   vn_tracker_snapshot()      after downgrading to SHARED
+ *   vn_tracker_reset()
+ * All of it runs on the connection's thread, under SQLite's file locks.
+ */
+#ifndef VN_TRACKER_H
+#define VN_TRACKER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <sqlite3.h>
+
+#include "manifest_pb.h"
+#include "spool.h"
+
+/* The xattr holding the version UUID (FORMAT.md). */
+#define VN_VERSION_XATTR "user.verneuil.version_id"
+
+/* Raw UUIDv4 bytes in the xattr. */
+#define VN_UUID_BYTES 16
+
+/* SQLite's file header: bytes [0, 100) are covered by header_fprint. */
+#define VN_HEADER_BYTES 100
+
+struct vn_tracker_stats {
+	uint64_t full;        /* snapshots rebuilt from a full scan */
+	uint64_t incremental; /* snapshots updated from the staged manifest */
+	uint64_t unchanged;   /* nothing to publish: the staged one is current */
+	uint64_t failed;      /* abandoned on an error (logged) */
+	uint64_t hot_journal; /* skipped: hot journal at unlock */
+	uint64_t verify_mismatch; /* random clean chunk re-hash forced a rebuild */
+	uint64_t ready;       /* ready snapshots published */
+	uint64_t gc;          /* GC passes */
+	uint64_t gc_removed;  /* chunk files removed by GC */
+	uint64_t staged;      /* chunk files written */
+};
+
+struct vn_tracker {
+	const char *path;          /* canonical db path (for xattrs); not owned */
+	const struct vn_keys *keys;
+	struct vn_spool spool;
+	int spool_ok;              /* spool paths computed */
+
+	uint64_t *dirty;           /* bitmap of dirty chunk indices */
+	size_t dirty_words;
+	int force_full;            /* next snapshot must be a full rebuild */
+	int version_written;       /* new UUID written in this write period */
+	int no_xattr;              /* the file system refused user xattrs */
+
+	int base_valid;            /* version id seen at write lock */
+	uint8_t base_version[VN_MAX_VERSION_ID];
+	size_t base_version_len;
+
+	struct vn_spool_session session; /* kept open across snapshots */
+
+	/* The manifest we last published or read, while it stays staged: an
+	 * incremental update then needs no read of staging/meta. */
+	uint8_t *cached;
+	size_t cached_len;
+	struct vn_file_id cached_id;
+
+	uint8_t *buf;              /* VN_CHUNK_SIZE scratch for chunk reads */
+	uint8_t *chunk0;           /* VN_CHUNK_SIZE copy of chunk 0 */
+	uint64_t rng;              /* splitmix64 state for GC and verification */
+
+	struct vn_tracker_stats stats;
+};
+
+/* gc_weight: GC runs with probability gc_weight * (chunks staged now) /
+ * (chunks in the db): about every 1/gc_weight db-sizes of new chunks. */
+struct vn_snapshot_config {
+	double gc_weight;
+};
+
+int vn_tracker_init(struct vn_tracker *t, const struct vn_keys *keys,
+    const char *canon_path, const char *spool_root);
+void vn_tracker_fini(struct vn_tracker *t);
+
+void vn_tracker_write_locked(struct vn_tracker *t, sqlite3_file *db);
+void vn_tracker_before_write(struct vn_tracker *t, uint64_t offset,
+    uint64_t amount);
+void vn_tracker_before_truncate(struct vn_tracker *t, uint64_t size);
+void vn_tracker_reset(struct vn_tracker *t);
+
+/* The hot journal check of FORMAT.md: <db>-journal starts with the magic. */
+int vn_journal_is_hot(const char *db_path);
+
+/* Clears the version xattr, so the next snapshot is a full rebuild. */
+void vn_tracker_clear_version(struct vn_tracker *t);
+
+enum vn_snapshot_result {
+	VN_SNAPSHOT_DONE = 0,
+	VN_SNAPSHOT_EMPTY,   /* empty file: nothing to snapshot */
+	VN_SNAPSHOT_WAL,     /* the header says WAL: not replicated */
+	VN_SNAPSHOT_FAILED,  /* logged through vn_log; version id cleared */
+};
+
+/* Brings staging up to date with `db` (SHARED lock held by the caller). */
+enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
+    sqlite3_file *db, const struct vn_snapshot_config *config);
+
+/* Logging hook, defined by vfs.c (sqlite3_log). */
+void vn_log(int code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+#endif /* VN_TRACKER_H */

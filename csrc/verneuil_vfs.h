@@ -1,0 +1,65 @@
+/*
+ * The `verneuil` SQLite VFS: a shim over the default (unix) VFS that stages
+ * a content-addressed snapshot of every main database file in a local spool
+ * after each write transaction (docs/SPOOL.md, docs/WRITER.md).
+ *
+ * This is the one public header (used by the cffi build, writer_vfs/).
+ * Replication never fails or blocks SQLite: errors are reported through
+ * sqlite3_log and the commit stands.
+ *
+ * Pragmas understood on a connection opened with vfs=verneuil:
+ *   PRAGMA verneuil_full_snapshot;  next write transaction rebuilds the
+ *                                   snapshot from a full scan
+ *   PRAGMA verneuil_stats;          counters of this connection's file
+ *   PRAGMA verneuil_spool_dir;      this database's spool directory
+ *   PRAGMA verneuil_no_xattr;       test hook: act as if the file system
+ *                                   had no user xattrs (always rebuild)
+ */
+#ifndef VERNEUIL_VFS_H
+#define VERNEUIL_VFS_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define VERNEUIL_VFS_NAME "verneuil"
+
+/*
+ * Registers the VFS (first call) or updates its configuration (later
+ * calls; files already open keep the spool they opened with).  spool_dir
+ * NULL or "" disables replication (the VFS then passes everything through).
+ * Returns an SQLite result code.
+ */
+int verneuil_vfs_register(const char *spool_dir, int make_default);
+
+/*
+ * Same, configured from the VERNEUIL_CONFIG environment variable (JSON, or
+ * "@/path/to/file.json"): keys `replication_spooling_dir` and
+ * `make_default`.  Without the variable, replication is disabled.
+ */
+int verneuil_vfs_register_from_env(void);
+
+/*
+ * GC runs after a snapshot with probability weight * (chunks staged by that
+ * snapshot) / (chunks in the database).  0 disables GC; a huge value forces
+ * it after every snapshot that staged something.  For tests and tools.
+ */
+void verneuil_vfs_set_gc_weight(double weight);
+
+/* Also copy every log message to stderr (for debugging). */
+void verneuil_vfs_set_log_stderr(int on);
+
+/*
+ * Writes the spool directory of the database at db_path (which must exist)
+ * for the spool root spool_dir into out.  Returns 0 or an errno value.
+ */
+int verneuil_vfs_db_spool_dir(const char *spool_dir, const char *db_path,
+    char *out, size_t cap);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* VERNEUIL_VFS_H */

@@ -1,0 +1,135 @@
+"""The Python face of the `verneuil` SQLite VFS (C in csrc/).
+
+`register()` makes `sqlite3.connect("file:x.db?vfs=verneuil", uri=True)`
+stage a snapshot of x.db in the spool after every write transaction;
+`loadable_extension_path()` is the same VFS for the `sqlite3` shell
+(`.load PATH` then `.open 'file:x.db?vfs=verneuil'`, configured from
+VERNEUIL_CONFIG).  Nothing here imports verneuil_fuse.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sqlite3
+import urllib.parse
+from typing import Optional
+
+from ._vfs import ffi, lib
+
+VFS_NAME = "verneuil"
+
+_LIBVERSION = ffi.string(lib.sqlite3_libversion()).decode()
+if _LIBVERSION != sqlite3.sqlite_version:
+    # Registering in another libsqlite3 than the one Python's sqlite3 uses
+    # would silently leave the VFS invisible to it.
+    raise ImportError(
+        "writer_vfs._vfs is linked with SQLite %s but Python's sqlite3 uses %s"
+        % (_LIBVERSION, sqlite3.sqlite_version))
+
+
+def config_from_env() -> dict:
+    """VERNEUIL_CONFIG as a dict: JSON, or "@/path/to/file.json"; {} if unset."""
+    text = os.environ.get("VERNEUIL_CONFIG")
+    if not text:
+        return {}
+    if text.startswith("@"):
+        with open(text[1:], "r", encoding="utf-8") as f:
+            text = f.read()
+    config = json.loads(text)
+    if not isinstance(config, dict):
+        raise ValueError("VERNEUIL_CONFIG must hold a JSON object")
+    return config
+
+
+def register(spool_dir: Optional[str] = None, make_default: bool = False) -> Optional[str]:
+    """Registers the `verneuil` VFS in the SQLite that Python's sqlite3 uses.
+
+    The spool comes from `spool_dir`, else from VERNEUIL_CONFIG's
+    `replication_spooling_dir` (whose `make_default` also counts).  Calling
+    again changes the spool for files opened afterwards.  Returns the spool
+    directory (None: the VFS passes everything through, no replication).
+    """
+    if spool_dir is None:
+        config = config_from_env()
+        spool_dir = config.get("replication_spooling_dir")
+        make_default = make_default or bool(config.get("make_default", False))
+    if spool_dir is not None:
+        spool_dir = os.path.abspath(os.fspath(spool_dir))
+        os.makedirs(spool_dir, exist_ok=True)
+    rc = lib.verneuil_vfs_register(
+        os.fsencode(spool_dir) if spool_dir is not None else ffi.NULL,
+        1 if make_default else 0)
+    if rc != 0:
+        raise RuntimeError("cannot register the verneuil VFS (SQLite error %d)" % rc)
+    return spool_dir
+
+
+def loadable_extension_path() -> str:
+    """Path of the loadable extension (for `.load` in the sqlite3 shell)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "libverneuil_vfs*.so")))
+    if not found:
+        raise FileNotFoundError("libverneuil_vfs*.so is not built in %s" % here)
+    return found[0]
+
+
+def set_gc_weight(weight: float) -> None:
+    """GC probability per snapshot = weight * staged chunks / db chunks.
+
+    0 disables GC, a huge value forces it after any snapshot that staged a
+    chunk (tests; `verneuilctl sync`)."""
+    lib.verneuil_vfs_set_gc_weight(float(weight))
+
+
+def set_log_stderr(on: bool) -> None:
+    """Also print the VFS's log messages on stderr (debugging)."""
+    lib.verneuil_vfs_set_log_stderr(1 if on else 0)
+
+
+def db_spool_dir(db_path, spool_dir) -> str:
+    """The spool directory of one database (it must exist) under `spool_dir`."""
+    out = ffi.new("char[]", 4096)
+    rc = lib.verneuil_vfs_db_spool_dir(os.fsencode(os.path.abspath(spool_dir)),
+                                       os.fsencode(db_path), out, 4096)
+    if rc != 0:
+        raise OSError(rc, os.strerror(rc), db_path)
+    return os.fsdecode(ffi.string(out))
+
+
+def uri(db_path, **params) -> str:
+    """A `file:` URI opening db_path through the verneuil VFS."""
+    query = {"vfs": VFS_NAME}
+    query.update({k: str(v) for k, v in params.items()})
+    return "file:%s?%s" % (urllib.parse.quote(os.path.abspath(os.fspath(db_path))),
+                           urllib.parse.urlencode(query))
+
+
+def connect(db_path, **kwargs) -> sqlite3.Connection:
+    """sqlite3.connect through the verneuil VFS (register() first)."""
+    return sqlite3.connect(uri(db_path), uri=True, **kwargs)
+
+
+def stats(conn: sqlite3.Connection) -> dict:
+    """This connection's replication counters (PRAGMA verneuil_stats)."""
+    row = conn.execute("PRAGMA verneuil_stats").fetchone()
+    text = row[0] if row else ""
+    out = {}
+    for item in text.split():
+        key, _, value = item.partition("=")
+        out[key] = int(value)
+    return out
+
+
+def force_snapshot(db_path) -> dict:
+    """Rebuilds db_path's staged snapshot from a full scan now (an empty
+    write transaction after PRAGMA verneuil_full_snapshot); returns the
+    connection's counters.  Also publishes `ready` if it is missing."""
+    conn = connect(db_path, isolation_level=None)
+    try:
+        conn.execute("PRAGMA verneuil_full_snapshot")
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("COMMIT")
+        return stats(conn)
+    finally:
+        conn.close()
