@@ -11,6 +11,7 @@ Subcommands (each has --help):
   ls             replicated databases in a store
   manifest       decode one manifest
   lag            how far each database in a spool is behind
+  query          one SQL query over many databases (a mount, a glob) with Spark
 
 Common flags mean the same everywhere: --store (URL, path, @config.json or
 JSON; default VERNEUIL_CONFIG), --spool (default: the configuration's
@@ -524,6 +525,22 @@ def cmd_lag(args) -> int:
 
 # -- argument parsing ---------------------------------------------------------------
 
+def cmd_query(args) -> int:
+    try:
+        from . import spark
+    except ImportError as e:
+        raise UserError("query needs PySpark (pip install 'verneuil_fuse[spark]'): %s" % e)
+    try:
+        spark.run_query(args.where, args.sql, master=args.master, output=args.output,
+                        show=args.show, on_error=args.on_error)
+    except spark.VerneuilSourceError as e:
+        raise UserError(str(e), EXIT_USAGE)
+    except Exception as e:  # Spark wraps worker errors in long Java traces
+        first = str(e).strip().splitlines()
+        raise UserError("query failed: %s" % (first[0] if first else type(e).__name__))
+    return EXIT_OK
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -653,6 +670,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="JSON output")
     p.add_argument("--no-store", action="store_true", help="do not compare with the store")
     p.set_defaults(func=cmd_lag)
+
+    p = sub.add_parser("query", parents=[common],
+                       help="one SQL query over many databases, with Spark",
+                       description="Run SQL on every SQLite database under MOUNT_OR_GLOB (a "
+                                   "directory such as a verneuil mount, a glob, or a file) with "
+                                   "Spark; each row carries its database in _source. Shows the "
+                                   "first rows; --output writes them all.")
+    p.add_argument("where", metavar="MOUNT_OR_GLOB")
+    p.add_argument("sql", metavar="SQL")
+    p.add_argument("--output", metavar="OUT",
+                   help="write the result to OUT.parquet or OUT.csv (a Spark output directory)")
+    p.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    p.add_argument("--show", type=int, default=20, help="rows to show (default 20; 0: none)")
+    p.add_argument("--on-error", choices=("fail", "skip", "report"), default="fail",
+                   help="a database that fails: fail the job, skip it, or report it in _error")
+    p.set_defaults(func=cmd_query)
     return parser
 
 

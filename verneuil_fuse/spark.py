@@ -281,3 +281,72 @@ def spark_session(master: str = "local[*]", app: str = "verneuil"):
     spark.sparkContext.setLogLevel("ERROR")
     spark.dataSource.register(VerneuilDataSource)
     return spark
+
+
+# Seconds between progress lines of run_query on a terminal.
+PROGRESS_INTERVAL = 0.5
+
+
+def _progress(sc, stop, stream) -> None:
+    """Print 'tasks done/total' of the running stages until `stop` is set."""
+    tracker = sc.statusTracker()
+    last = ""
+    while not stop.wait(PROGRESS_INTERVAL):
+        done = total = 0
+        for sid in tracker.getActiveStageIds():
+            info = tracker.getStageInfo(sid)
+            if info is not None:
+                done += info.numCompletedTasks
+                total += info.numTasks
+        line = "  running: %d/%d tasks" % (done, total) if total else ""
+        if line and line != last:
+            stream.write("\r" + line)
+            stream.flush()
+            last = line
+    if last:
+        stream.write("\r" + " " * len(last) + "\r")
+        stream.flush()
+
+
+def run_query(spec, query: str, master: str = "local[*]", output: str | None = None,
+              show: int = 20, on_error: str = "fail", stream=None) -> int:
+    """`verneuilctl query`: run `query` over the databases of `spec` (a
+    directory such as a mount, a glob, a file or a list), show the first
+    `show` rows and write all of them to `output` (.parquet or .csv, a Spark
+    output directory) if given.  Returns the number of rows."""
+    import sys
+    import threading
+
+    stream = stream or sys.stderr
+    paths = find_databases(spec)
+    total = sum(os.path.getsize(p) for p in paths)
+    stream.write("%d databases, %.1f MB\n" % (len(paths), total / 1e6))
+    if output and not output.endswith((".parquet", ".csv")):
+        raise VerneuilSourceError("--output must end in .parquet or .csv: %s" % output)
+    spark = spark_session(master, app="verneuilctl-query")
+    stop = threading.Event()
+    ticker = None
+    try:
+        df = (spark.read.format("verneuil").option("query", query)
+              .option("paths", json.dumps(paths)).option("on_error", on_error).load().cache())
+        if stream.isatty():
+            ticker = threading.Thread(target=_progress, args=(spark.sparkContext, stop, stream),
+                                      daemon=True)
+            ticker.start()
+        n = df.count()
+        stop.set()
+        if ticker:
+            ticker.join()
+        if show:
+            print(df._jdf.showString(show, 0, False))
+        if output:
+            writer = df.coalesce(1).write.mode("overwrite")
+            if output.endswith(".parquet"):
+                writer.parquet(output)
+            else:
+                writer.option("header", True).csv(output)
+            stream.write("wrote %d rows to %s\n" % (n, output))
+        return n
+    finally:
+        stop.set()
+        spark.stop()
