@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from verneuil_fuse.copier import SpoolWriter, restore_bytes, fetch_manifest
+from pyspoolwriter import SpoolWriter
+from verneuil_fuse.copier import restore_bytes, fetch_manifest
 
 
 def vfs_available() -> bool:

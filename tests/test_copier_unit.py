@@ -11,7 +11,8 @@ import uuid
 import pytest
 
 from verneuil_fuse import format as fmt
-from verneuil_fuse.copier import (Backoff, Copier, NotASpool, SpoolWriter, Stopped,
+from pyspoolwriter import SpoolWriter
+from verneuil_fuse.copier import (Backoff, Copier, NotASpool, Stopped,
                                   TokenBucket, restore_bytes, fetch_manifest)
 from verneuil_fuse.copier import spool as sp
 from verneuil_fuse.copier.pacing import RecentSet, retry

@@ -8,7 +8,6 @@ Public API:
   a copier on a daemon thread inside the current (writer) process; it never
   blocks commits.  `.stop(timeout)`, `.wake()`, `.flush(timeout)`, `.stats`;
   also a context manager.  `spool`/`store` default to VERNEUIL_CONFIG.
-- `SpoolWriter`: a Python reference writer (snapshots a file into a spool).
 - `spool_status(spool_dir, store=None)`: per-database lag report.
 - restore helpers: `fetch_manifest`, `restore_to_path`, `restore_bytes`.
 """
@@ -20,7 +19,6 @@ from typing import Optional
 
 from .copier import BadSnapshot, Copier, CopierStats
 from .pacing import DEFAULT_BURST, DEFAULT_RATE, Backoff, Stopped, TokenBucket
-from .pywriter import SpoolWriter
 from .restore import (RestoreError, decode_manifest, fetch_manifest,
                       restore_bytes, restore_to_path, write_snapshot)
 from .spool import NotASpool
@@ -30,7 +28,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BackgroundCopier", "BadSnapshot", "Backoff", "Copier", "CopierStats",
-    "DEFAULT_BURST", "DEFAULT_RATE", "NotASpool", "RestoreError", "SpoolWriter",
+    "DEFAULT_BURST", "DEFAULT_RATE", "NotASpool", "RestoreError",
     "Stopped", "TokenBucket", "decode_manifest", "fetch_manifest", "restore_bytes",
     "restore_to_path", "spool_status", "start_background", "write_snapshot",
 ]

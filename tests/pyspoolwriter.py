@@ -1,4 +1,4 @@
-"""A reference spool writer in Python, following docs/SPOOL.md's writer side.
+"""A reference spool writer in Python (tests only), following docs/SPOOL.md.
 
 The real writer is the C VFS (csrc/, writer_vfs/); this one snapshots a
 whole file on demand.  Tests and benchmarks use it to build spools without
@@ -15,8 +15,8 @@ import shutil
 import uuid
 from typing import Optional
 
-from .. import format as fmt
-from . import spool as sp
+from verneuil_fuse import format as fmt
+from verneuil_fuse.copier import spool as sp
 
 
 class SpoolWriter:
