@@ -14,6 +14,7 @@ APT_PACKAGES=(
   sqlite3 libsqlite3-dev             # the shell, and sqlite3.h/sqlite3ext.h
   protobuf-compiler                  # scripts/gen_proto.sh
   default-jre-headless               # the JVM under PySpark
+  s3fs rclone                        # peers in the benchmark (make bench)
   python3-venv
 )
 

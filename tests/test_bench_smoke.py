@@ -1,0 +1,134 @@
+"""CI smoke test of the whole-system benchmark: `scripts/bench_all.py --quick`
+(small databases, one run each) must finish and write every figure with a
+sane value.  About 2 minutes on 2 cores (3 under load); it mounts FUSE file systems
+(root) and starts moto, s3fs, rclone and Spark, all stopped by the script."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "bench_all.py")
+
+# The script bounds its own phases; this is the outer bound (quick mode
+# takes 2-3 minutes here, more on a loaded machine).
+TIMEOUT = 900
+
+pytestmark = [pytest.mark.slow, pytest.mark.fuse, pytest.mark.s3]
+
+
+def _why_not() -> str | None:
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from replicas import fuse_unavailable
+
+    reason = fuse_unavailable()
+    if reason:
+        return reason
+    for module in ("moto.server", "pyspark"):
+        try:
+            __import__(module)
+        except ImportError:
+            return "%s is not installed" % module
+    if shutil.which("java") is None:
+        return "no java (Spark)"
+    from benchlib import peers
+
+    tools = peers.ensure_tools(lambda msg: None)  # apt-get install s3fs rclone if missing
+    missing = [name for name, version in tools.items() if version is None]
+    if missing:
+        return "could not install %s" % ", ".join(missing)
+    return None
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory):
+    reason = _why_not()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--out", str(out)],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=TIMEOUT, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    with open(out / "results.json") as f:
+        return json.load(f), out
+
+
+def test_every_phase_ran(quick_results):
+    r, out = quick_results
+    assert r["errors"] == {}
+    for phase in ("writer", "lag", "sync", "ceiling", "read", "fanout", "storage", "summary"):
+        assert phase in r, phase
+    assert r["meta"]["mode"] == "quick"
+    assert r["meta"]["wall_seconds"] < TIMEOUT
+    md = (out / "results.md").read_text()
+    assert "| **verneuil mount (this)** |" in md and "fan-out" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    for name in ("readers.png", "system.png"):
+        assert (out / name).stat().st_size > 10_000, name
+
+
+def test_writer_and_copier_figures(quick_results):
+    r, _ = quick_results
+    for sync in ("FULL", "OFF"):
+        w = r["writer"]["sync"][sync]
+        assert 0 < w["unix_median_ms"] < 1000 and 0 < w["verneuil_median_ms"] < 1000
+        assert 0.5 < w["ratio"] < 100
+    lag = r["lag"]
+    assert lag["missing"] == 0 and lag["seen"] == lag["commits"] > 0
+    assert 1 < lag["median_ms"] < 10_000
+    s = r["sync"]
+    assert s["copier_MBps"] > 0.5 and s["plain_upload_MBps"] > 0.5
+    # One PUT per 64 KiB chunk (chunk 0 rides in the manifest), plus the manifest.
+    assert s["copier_requests"] >= s["db_bytes"] // 65536 - 1
+    assert s["plain_upload_requests"] < s["copier_requests"]
+    assert r["ceiling"]["chunk_GETs_per_s"] > 10
+
+
+def test_reader_comparison(quick_results):
+    r, _ = quick_results
+    read = r["read"]
+    chunks = read["db_bytes"] // 65536
+    assert set(read["systems"]) == {"verneuil", "s3fs", "rclone_off", "rclone_full",
+                                    "restore", "local"}
+    for name, x in read["systems"].items():
+        for kind in ("point", "scan", "warm"):
+            assert 0 < x[kind]["median_s"] < 300, (name, kind, x[kind])
+        if name != "local":
+            assert x["point"]["gets"] >= 1 and x["scan"]["gets"] >= 1, (name, x)
+            assert x["scan"]["bytes_down"] > 0
+    v = read["systems"]["verneuil"]
+    # Lazy: a point query fetches a few chunks, the scan nearly all of them,
+    # and the warm scan comes from the mount's own cache.
+    assert v["point"]["gets"] <= 16 < chunks // 2 <= v["scan"]["gets"] <= chunks + 2
+    assert v["warm"]["gets"] == 0
+    assert read["systems"]["restore"]["point"]["gets"] >= chunks - 1
+
+
+def test_fanout_and_storage(quick_results):
+    r, _ = quick_results
+    f = r["fanout"]
+    assert f["dbs"] == 100
+    for variant in ("python", "spark"):
+        for kind in ("cold", "warm"):
+            x = f[variant][kind]
+            assert x["dbs"] == 100 and 0 < x["median_s"] < 300
+            assert x["answer"][0] == f["answer"][0]
+    assert f["spark_session_start_s"] > 0
+    st = r["storage"]
+    assert 0 < st["dedup"]["ratio"] < 0.6
+    assert 0 < st["sync_db"]["ratio"] < 1.2
+    assert 0 < st["fanout_dbs"]["ratio"] < 1.2
+    summary = r["summary"]
+    for key in ("writer_commit_ratio_full", "lag_median_ms", "sync_copier_vs_plain",
+                "scan_s3fs_vs_verneuil", "point_rclone_full_vs_verneuil",
+                "fanout_spark_vs_python_cold", "dedup_stored_ratio"):
+        assert summary.get(key) is not None and summary[key] > 0, key
