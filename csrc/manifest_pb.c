@@ -112,24 +112,34 @@ static uint8_t *put_fprint(uint8_t *p, uint64_t field,
 	return p;
 }
 
-int vn_manifest_encode(const struct vn_manifest *m, uint8_t **out,
-    size_t *out_len)
+/* Bounds of VN_MANIFEST_HEAD_MAX and VN_MANIFEST_MID_MAX (manifest_pb.h). */
+static_assert(1 + 10 + 2 + 18 + 2 + VN_MAX_VERSION_ID + 2 + 18 + 1 + 10 +
+    1 + 10 + 1 + 4 + 2 + sizeof(VN_GENERATED_BY) - 1 + 1 + 10 + 1 <=
+    VN_MANIFEST_HEAD_MAX, "the fields before `chunks` fit in the head");
+static_assert(2 + 10 + 2 + 18 + 1 + 10 <= VN_MANIFEST_MID_MAX,
+    "the bundled chunk's keys and fingerprint fit in the mid piece");
+static_assert(sizeof(VN_GENERATED_BY) - 1 < 128,
+    "generated_by's length is a one-byte varint");
+
+int vn_manifest_encode_parts(const struct vn_manifest *m,
+    struct vn_manifest_parts *parts)
 {
 	size_t body, total;
 	size_t gen = strlen(VN_GENERATED_BY);
-	uint8_t *buf, *p;
+	uint8_t *p;
 
 	if (m->has_bundled0 && m->n_words < 2)
+		return -1;
+	if (m->version_id_len > VN_MAX_VERSION_ID)
 		return -1;
 	body = v1_body_size(m);
 	total = len_field_size(1, body);
 	if (total > VN_MAX_MANIFEST_BYTES)
 		return -1;
-	buf = malloc(total);
-	if (buf == NULL)
-		return -1;
+	parts->iovcnt = 0;
+	parts->total = total;
 
-	p = put_len_header(buf, 1, body);
+	p = put_len_header(parts->head, 1, body);
 	p = put_fprint(p, 1, &m->header_fprint);
 	if (m->version_id_len > 0) {
 		p = put_len_header(p, 2, m->version_id_len);
@@ -155,23 +165,52 @@ int vn_manifest_encode(const struct vn_manifest *m, uint8_t **out,
 	p = put_len_header(p, 9, gen);
 	memcpy(p, VN_GENERATED_BY, gen);
 	p += gen;
-	if (m->n_words > 0) {
+	if (m->n_words > 0)
 		p = put_len_header(p, 15, 8 * m->n_words);
-		memcpy(p, m->chunks, 8 * m->n_words);
-		p += 8 * m->n_words;
+	assert((size_t)(p - parts->head) <= VN_MANIFEST_HEAD_MAX);
+	parts->iov[parts->iovcnt].iov_base = parts->head;
+	parts->iov[parts->iovcnt++].iov_len = (size_t)(p - parts->head);
+	if (m->n_words > 0) {
+		/* little-endian host (checked above): the words are the bytes */
+		parts->iov[parts->iovcnt].iov_base = m->chunks;
+		parts->iov[parts->iovcnt++].iov_len = 8 * m->n_words;
 	}
 	if (m->has_bundled0) {
 		struct vn_umash_fp fp = { { m->chunks[0], m->chunks[1] } };
 
-		p = put_len_header(p, 16, bundled_body_size(m));
+		p = put_len_header(parts->mid, 16, bundled_body_size(m));
 		p = put_fprint(p, 3, &fp);
 		p = put_len_header(p, 15, m->bundled0_len);
-		memcpy(p, m->bundled0, m->bundled0_len);
-		p += m->bundled0_len;
+		assert((size_t)(p - parts->mid) <= VN_MANIFEST_MID_MAX);
+		parts->iov[parts->iovcnt].iov_base = parts->mid;
+		parts->iov[parts->iovcnt++].iov_len = (size_t)(p - parts->mid);
+		if (m->bundled0_len > 0) {
+			parts->iov[parts->iovcnt].iov_base = (void *)m->bundled0;
+			parts->iov[parts->iovcnt++].iov_len = m->bundled0_len;
+		}
 	}
-	assert((size_t)(p - buf) == total);
+	return 0;
+}
+
+int vn_manifest_encode(const struct vn_manifest *m, uint8_t **out,
+    size_t *out_len)
+{
+	struct vn_manifest_parts parts;
+	uint8_t *buf, *p;
+
+	if (vn_manifest_encode_parts(m, &parts) != 0)
+		return -1;
+	buf = malloc(parts.total);
+	if (buf == NULL)
+		return -1;
+	p = buf;
+	for (int i = 0; i < parts.iovcnt; i++) {
+		memcpy(p, parts.iov[i].iov_base, parts.iov[i].iov_len);
+		p += parts.iov[i].iov_len;
+	}
+	assert((size_t)(p - buf) == parts.total);
 	*out = buf;
-	*out_len = total;
+	*out_len = parts.total;
 	return 0;
 }
 

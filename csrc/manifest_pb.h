@@ -14,6 +14,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/uio.h>
 
 #include "umash.h"
 
@@ -55,6 +56,45 @@ struct vn_manifest {
  */
 int vn_manifest_encode(const struct vn_manifest *m, uint8_t **out,
     size_t *out_len);
+
+/*
+ * The encoding of `m` as four pieces for one writev(2), so that the two big
+ * arrays (the chunk words and the bundled chunk 0) are written from where
+ * they are instead of being copied into one buffer:
+ *   iov[0] = head: every field before `chunks`, and the `chunks` key
+ *   iov[1] = m->chunks (8 * n_words bytes, little-endian in memory)
+ *   iov[2] = mid: the bundled chunk's key, fingerprint and bytes key
+ *   iov[3] = m->bundled0
+ * (empty pieces are left out; iovcnt says how many there are).  The pieces
+ * point into `parts` and into `m`'s arrays: keep both alive while writing.
+ * The bytes are exactly those of vn_manifest_encode().
+ */
+
+/* Largest head: outer key and length (1 + 10), header fingerprint (2 + 18),
+ * version_id (2 + VN_MAX_VERSION_ID), contents fingerprint (2 + 18), len
+ * (1 + 10), ctime (1 + 10), ctime_ns (1 + 4), generated_by (2 + 20), chunks
+ * key and length (1 + 10 + 1 spare); rounded up. */
+#define VN_MANIFEST_HEAD_MAX 256
+
+/* Largest mid: bundled key and length (2 + 10), fingerprint (2 + 18), bytes
+ * key and length (1 + 10); rounded up. */
+#define VN_MANIFEST_MID_MAX 64
+
+/* Pieces of an encoding (see above). */
+#define VN_MANIFEST_IOV 4
+
+struct vn_manifest_parts {
+	uint8_t head[VN_MANIFEST_HEAD_MAX];
+	uint8_t mid[VN_MANIFEST_MID_MAX];
+	struct iovec iov[VN_MANIFEST_IOV];
+	int iovcnt;
+	size_t total; /* bytes in all pieces */
+};
+
+/* Fills *parts; 0, or -1 if `m` cannot be encoded (oversize, or a bundled
+ * chunk without its fingerprint). */
+int vn_manifest_encode_parts(const struct vn_manifest *m,
+    struct vn_manifest_parts *parts);
 
 /*
  * Decodes `buf` into *m.  On success returns 0; m->chunks is malloc'ed (free

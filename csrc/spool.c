@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -70,6 +71,8 @@ void vn_keys_derive(struct vn_keys *keys)
 	derive(&keys->hostname, "verneuil hostname params");
 	derive(&keys->mangling, "verneuil path mangling params");
 	keys->zero_chunk = vn_umash_fprint(&keys->chunk, 0, zeros, sizeof(zeros));
+	keys->primary_is_full = vn_umash_full(&keys->chunk, 0, 0, zeros,
+	    sizeof(zeros)) == keys->zero_chunk.hash[0];
 }
 
 static const char hex_digits[] = "0123456789abcdef";
@@ -366,6 +369,31 @@ static int write_all(int fd, const void *buf, size_t n)
 	return 0;
 }
 
+/* Writes every byte of iov[0..cnt) (advancing over short writes); 0 or an
+ * errno value.  Modifies iov. */
+static int writev_all(int fd, struct iovec *iov, int cnt)
+{
+	while (cnt > 0) {
+		ssize_t w = writev(fd, iov, cnt > IOV_MAX ? IOV_MAX : cnt);
+
+		if (w < 0) {
+			if (errno == EINTR)
+				continue;
+			return errno;
+		}
+		while (cnt > 0 && (size_t)w >= iov->iov_len) {
+			w -= (ssize_t)iov->iov_len;
+			iov++;
+			cnt--;
+		}
+		if (cnt > 0) {
+			iov->iov_base = (char *)iov->iov_base + w;
+			iov->iov_len -= (size_t)w;
+		}
+	}
+	return 0;
+}
+
 static void file_id_of(const struct stat *st, struct vn_file_id *id)
 {
 	id->dev = (uint64_t)st->st_dev;
@@ -381,15 +409,22 @@ int vn_file_id_equal(const struct vn_file_id *a, const struct vn_file_id *b)
 	    a->mtime_sec == b->mtime_sec && a->mtime_nsec == b->mtime_nsec;
 }
 
-/* Writes `data` to a fresh read-only scratch file; its name goes to tmp,
- * and its identity to *id if not NULL. */
-static int write_scratch(struct vn_spool_session *s, const void *data,
-    size_t n, char tmp[2 * VN_SCRATCH_RANDOM_BYTES + 1],
+/* Writes iov[0..cnt) to a fresh read-only scratch file (created 0444: it
+ * is never writable through a name); its name goes to tmp, and its identity
+ * to *id if not NULL. */
+static int write_scratch(struct vn_spool_session *s, const struct iovec *iov,
+    int cnt, char tmp[2 * VN_SCRATCH_RANDOM_BYTES + 1],
     struct vn_file_id *id)
 {
+	struct iovec left[VN_SPOOL_IOV_MAX];
 	struct stat st;
 	int fd, rc;
 
+	if (cnt > VN_SPOOL_IOV_MAX) {
+		s->what = "write scratch file";
+		return EINVAL;
+	}
+	memcpy(left, iov, (size_t)cnt * sizeof(*iov));
 	random_name(tmp);
 	fd = openat(s->scratch_fd, tmp,
 	    O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, VN_FILE_MODE);
@@ -397,7 +432,7 @@ static int write_scratch(struct vn_spool_session *s, const void *data,
 		s->what = "create scratch file";
 		return errno;
 	}
-	rc = write_all(fd, data, n);
+	rc = writev_all(fd, left, cnt);
 	if (rc == 0 && id != NULL) {
 		if (fstat(fd, &st) == 0)
 			file_id_of(&st, id);
@@ -423,11 +458,11 @@ static int write_scratch(struct vn_spool_session *s, const void *data,
  * more than the rest of a commit's snapshot.
  */
 static int publish_file_ex(struct vn_spool_session *s, int dirfd,
-    const char *name, const void *data, size_t n, int replace,
+    const char *name, const struct iovec *iov, int cnt, int replace,
     struct vn_file_id *id)
 {
 	char tmp[2 * VN_SCRATCH_RANDOM_BYTES + 1];
-	int rc = write_scratch(s, data, n, tmp, id);
+	int rc = write_scratch(s, iov, cnt, tmp, id);
 
 	if (rc != 0)
 		return rc;
@@ -449,7 +484,9 @@ static int publish_file_ex(struct vn_spool_session *s, int dirfd,
 static int publish_file(struct vn_spool_session *s, int dirfd,
     const char *name, const void *data, size_t n)
 {
-	return publish_file_ex(s, dirfd, name, data, n, 0, NULL);
+	struct iovec iov = { .iov_base = (void *)data, .iov_len = n };
+
+	return publish_file_ex(s, dirfd, name, &iov, 1, 0, NULL);
 }
 
 static int mkdir_p(const char *path)
@@ -519,6 +556,7 @@ static void session_reset(struct vn_spool_session *s)
 {
 	s->db_fd = s->chunks_fd = s->meta_fd = s->scratch_fd = -1;
 	s->what = NULL;
+	s->link_mode = VN_LINK_UNKNOWN;
 }
 
 void vn_spool_session_init(struct vn_spool_session *s)
@@ -528,9 +566,15 @@ void vn_spool_session_init(struct vn_spool_session *s)
 
 int vn_spool_session_valid(const struct vn_spool_session *s)
 {
-	const int fds[] = { s->db_fd, s->chunks_fd, s->meta_fd, s->scratch_fd };
+	/* Only the three leaves: a directory can only be removed once empty,
+	 * so a removed <dbdir> or staging implies removed leaves.  (A renamed
+	 * tree is not detected, as before: it still works, under its new
+	 * name.) */
+	const int fds[] = { s->chunks_fd, s->meta_fd, s->scratch_fd };
 	struct stat st;
 
+	if (s->db_fd < 0)
+		return 0;
 	for (size_t i = 0; i < sizeof(fds) / sizeof(fds[0]); i++)
 		if (fds[i] < 0 || fstat(fds[i], &st) != 0 || st.st_nlink == 0)
 			return 0;
@@ -612,11 +656,77 @@ fail:
 	return rc;
 }
 
+/*
+ * Stages a chunk as an anonymous file: open(O_TMPFILE, 0444) in
+ * staging/chunks, write it whole, then give it its name with linkat(2), which
+ * fails rather than replace an existing name.  The file is read-only from its
+ * creation and has no name until complete; a crash leaves nothing behind.
+ * Returns 0, EOPNOTSUPP if the file system or the kernel cannot do it (the
+ * caller falls back to scratch + rename), or another errno value.
+ */
+static int stage_tmpfile(struct vn_spool_session *s, const char *name,
+    const void *data, size_t n, int *created)
+{
+	char proc[sizeof("/proc/self/fd/") + 3 * sizeof(int)];
+	struct iovec iov = { .iov_base = (void *)data, .iov_len = n };
+	int fd, rc;
+
+	fd = openat(s->chunks_fd, ".", O_TMPFILE | O_WRONLY | O_CLOEXEC,
+	    VN_FILE_MODE);
+	if (fd < 0) {
+		if (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL)
+			return EOPNOTSUPP; /* no O_TMPFILE here */
+		s->what = "create staged chunk";
+		return errno;
+	}
+	rc = writev_all(fd, &iov, 1);
+	if (rc != 0) {
+		s->what = "write staged chunk";
+		goto out;
+	}
+	/* flink(): AT_EMPTY_PATH needs CAP_DAC_READ_SEARCH before Linux 6.10;
+	 * the /proc/self/fd link works for any opener.  Remember which one
+	 * works. */
+	if (s->link_mode != VN_LINK_PROC) {
+		if (linkat(fd, "", s->chunks_fd, name, AT_EMPTY_PATH) == 0) {
+			s->link_mode = VN_LINK_EMPTY_PATH;
+			goto out;
+		}
+		rc = errno;
+		if (rc == EEXIST || s->link_mode == VN_LINK_EMPTY_PATH)
+			goto linked;
+	}
+	snprintf(proc, sizeof(proc), "/proc/self/fd/%d", fd);
+	if (linkat(AT_FDCWD, proc, s->chunks_fd, name, AT_SYMLINK_FOLLOW) == 0) {
+		s->link_mode = VN_LINK_PROC;
+		rc = 0;
+		goto out;
+	}
+	rc = errno;
+	if (s->link_mode == VN_LINK_UNKNOWN && rc != EEXIST) {
+		/* Neither works (no /proc?): scratch + rename from now on. */
+		s->link_mode = VN_LINK_NONE;
+		close(fd);
+		return EOPNOTSUPP;
+	}
+linked:
+	if (rc == EEXIST) {
+		rc = 0; /* another writer staged the same bytes meanwhile */
+		*created = 0;
+	} else {
+		s->what = "link staged chunk";
+	}
+out:
+	close(fd);
+	return rc;
+}
+
 int vn_spool_stage_chunk(struct vn_spool_session *s, uint64_t major,
     uint64_t minor, const void *data, size_t n, int *created)
 {
 	char name[VN_CHUNK_NAME_LEN + 1];
 	struct stat st;
+	int rc;
 
 	*created = 0;
 	vn_chunk_name(major, minor, name);
@@ -627,6 +737,12 @@ int vn_spool_stage_chunk(struct vn_spool_session *s, uint64_t major,
 		return errno;
 	}
 	*created = 1;
+	if (s->link_mode != VN_LINK_NONE) {
+		rc = stage_tmpfile(s, name, data, n, created);
+		if (rc != EOPNOTSUPP)
+			return rc;
+		s->link_mode = VN_LINK_NONE;
+	}
 	return publish_file(s, s->chunks_fd, name, data, n);
 }
 
@@ -675,10 +791,10 @@ int vn_spool_read_manifest(struct vn_spool_session *s,
 }
 
 int vn_spool_publish_manifest(struct vn_spool_session *s,
-    const struct vn_spool *spool, const uint8_t *buf, size_t len,
+    const struct vn_spool *spool, const struct iovec *iov, int cnt,
     struct vn_file_id *id)
 {
-	return publish_file_ex(s, s->meta_fd, spool->manifest_name, buf, len, 1,
+	return publish_file_ex(s, s->meta_fd, spool->manifest_name, iov, cnt, 1,
 	    id);
 }
 
@@ -715,7 +831,7 @@ static int clear_staged_chunks(struct vn_spool_session *s)
 }
 
 int vn_spool_publish_ready(struct vn_spool_session *s,
-    const struct vn_spool *spool, const uint8_t *manifest, size_t len,
+    const struct vn_spool *spool, const struct iovec *manifest, int cnt,
     const uint64_t *words, size_t n_chunks, int *published)
 {
 	char tmp[2 * VN_SCRATCH_RANDOM_BYTES + 1], uuid[37];
@@ -752,7 +868,8 @@ int vn_spool_publish_ready(struct vn_spool_session *s,
 		}
 	}
 	inner = *s;
-	rc = publish_file(&inner, mfd, spool->manifest_name, manifest, len);
+	rc = publish_file_ex(&inner, mfd, spool->manifest_name, manifest, cnt, 0,
+	    NULL);
 	if (rc != 0) {
 		s->what = inner.what;
 		goto out;

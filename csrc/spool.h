@@ -20,6 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <time.h>
 
 #include "umash.h"
@@ -47,6 +48,10 @@ struct vn_keys {
 	struct vn_umash_params hostname;
 	struct vn_umash_params mangling;
 	struct vn_umash_fp zero_chunk; /* fingerprint of 64 KiB of zeros */
+	/* UMASH's fingerprint is the pair (primary hash, secondary hash), so
+	 * the primary alone (vn_umash_full(which = 0), half the work) checks a
+	 * chunk against its name; checked once here, on 64 KiB of zeros. */
+	int primary_is_full;
 };
 
 void vn_keys_derive(struct vn_keys *keys);
@@ -88,12 +93,24 @@ struct vn_file_id {
 
 int vn_file_id_equal(const struct vn_file_id *a, const struct vn_file_id *b);
 
+/* Most pieces a published file is written from (one writev). */
+#define VN_SPOOL_IOV_MAX 8
+
+/* How a chunk file gets its name (learnt on first use, per session). */
+enum vn_link_mode {
+	VN_LINK_UNKNOWN = 0,
+	VN_LINK_EMPTY_PATH, /* O_TMPFILE + linkat(fd, "", AT_EMPTY_PATH) */
+	VN_LINK_PROC,       /* O_TMPFILE + linkat("/proc/self/fd/N") */
+	VN_LINK_NONE,       /* scratch file + rename */
+};
+
 /* Open directories of one database's spool (kept across snapshots). */
 struct vn_spool_session {
 	int db_fd;      /* <dbdir> */
 	int chunks_fd;  /* staging/chunks */
 	int meta_fd;    /* staging/meta */
 	int scratch_fd; /* staging/scratch */
+	enum vn_link_mode link_mode;
 	const char *what; /* the operation that failed, for the log */
 };
 
@@ -113,7 +130,9 @@ int vn_spool_manifest_id(struct vn_spool_session *s,
     const struct vn_spool *spool, struct vn_file_id *id);
 
 /* Stages a chunk unless a file of that name is already staged; *created
- * tells whether a file was written. */
+ * tells whether a file was written.  The file is created read-only with
+ * O_TMPFILE and linked in once complete (where the file system allows it;
+ * otherwise written in scratch and renamed). */
 int vn_spool_stage_chunk(struct vn_spool_session *s, uint64_t major,
     uint64_t minor, const void *data, size_t n, int *created);
 
@@ -123,21 +142,23 @@ int vn_spool_read_manifest(struct vn_spool_session *s,
     const struct vn_spool *spool, uint8_t **buf, size_t *len,
     struct vn_file_id *id);
 
-/* Writes the manifest in scratch, then renames it over staging/meta/<name>;
- * *id receives the identity of what was written. */
+/* Writes the manifest (iov[0..cnt), at most VN_SPOOL_IOV_MAX pieces, one
+ * writev) in scratch, then swaps it with staging/meta/<name> and unlinks the
+ * old one; *id receives the identity of what was written. */
 int vn_spool_publish_manifest(struct vn_spool_session *s,
-    const struct vn_spool *spool, const uint8_t *buf, size_t len,
+    const struct vn_spool *spool, const struct iovec *iov, int cnt,
     struct vn_file_id *id);
 
 /*
  * If `ready` is missing or empty, publishes ready/<uuid>/{chunks,meta}
  * with hard links to every staged chunk of `words` (n_chunks fingerprints)
- * and a copy of the manifest; *published tells whether it did.  After a
+ * and a copy of the manifest (manifest[0..cnt), as for
+ * vn_spool_publish_manifest); *published tells whether it did.  After a
  * publication every file in staging/chunks is deleted (they now live in
  * ready, or are useless).
  */
 int vn_spool_publish_ready(struct vn_spool_session *s,
-    const struct vn_spool *spool, const uint8_t *manifest, size_t len,
+    const struct vn_spool *spool, const struct iovec *manifest, int cnt,
     const uint64_t *words, size_t n_chunks, int *published);
 
 /*

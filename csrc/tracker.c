@@ -1,9 +1,12 @@
 /*
  * Change tracking and snapshot building: see tracker.h.
  *
- * Cost of an incremental update: the dirty chunks (read, fingerprint, stage),
- * as many randomly chosen clean chunks (re-hashed to catch changes we did
- * not see), and reading/writing the manifest (16 bytes per chunk + chunk 0).
+ * Cost of an incremental update: chunk 0 and the dirty chunks (read,
+ * fingerprint, stage), as many randomly chosen clean chunks (re-hashed to
+ * catch changes we did not see), and writing the manifest (16 bytes per
+ * chunk + chunk 0, one writev).  The staged manifest stays decoded in memory
+ * while it is the staged one, so it is not read back; the version id is the
+ * UUID we wrote, so the xattr is not read back either.
  */
 #define _GNU_SOURCE
 #include "tracker.h"
@@ -23,6 +26,9 @@ static_assert(VN_HEADER_BYTES <= 512, "the header lies in SQLite's smallest page
 static_assert(VN_UUID_BYTES + 16 <= VN_MAX_VERSION_ID,
     "version ids (UUID + header fingerprint) fit in a manifest's version_id");
 static_assert(sizeof(sqlite3_int64) == 8, "file offsets are 64-bit");
+static_assert(sizeof(size_t) >= 8, "chunk word counts of any file fit");
+static_assert(VN_MANIFEST_IOV <= VN_SPOOL_IOV_MAX,
+    "a manifest's pieces fit in one published file's writev");
 
 /* The first 8 bytes of a hot rollback journal (FORMAT.md; SQLite's
  * aJournalMagic). */
@@ -129,7 +135,7 @@ void vn_tracker_fini(struct vn_tracker *t)
 	if (t->spool_ok)
 		vn_spool_fini(&t->spool);
 	vn_spool_close(&t->session);
-	free(t->cached);
+	free(t->staged.chunks);
 	free(t->dirty);
 	free(t->buf);
 	free(t->chunk0);
@@ -142,6 +148,7 @@ void vn_tracker_reset(struct vn_tracker *t)
 		memset(t->dirty, 0, t->dirty_words * sizeof(uint64_t));
 	t->force_full = 0;
 	t->version_written = 0;
+	t->uuid_written = 0;
 	t->base_valid = 0;
 }
 
@@ -153,14 +160,23 @@ void vn_tracker_write_locked(struct vn_tracker *t, sqlite3_file *db)
 	struct vn_umash_fp fp;
 	ssize_t n;
 	size_t hn;
+	int rc;
 
 	t->base_valid = 0;
 	t->version_written = 0;
+	t->uuid_written = 0;
 	n = read_version_xattr(t, xattr, sizeof(xattr));
 	if (n <= 0)
 		return; /* no version: the next snapshot is a full rebuild */
-	if (db->pMethods->xFileSize(db, &size) != SQLITE_OK || size <= 0 ||
-	    read_header(db, size, hdr, &hn) != SQLITE_OK)
+	/* Read the whole header; only a file shorter than that (a short read)
+	 * needs its size. */
+	rc = db->pMethods->xRead(db, hdr, VN_HEADER_BYTES, 0);
+	hn = VN_HEADER_BYTES;
+	if (rc == SQLITE_IOERR_SHORT_READ &&
+	    (db->pMethods->xFileSize(db, &size) != SQLITE_OK || size <= 0 ||
+	    read_header(db, size, hdr, &hn) != SQLITE_OK))
+		return;
+	if (rc != SQLITE_OK && rc != SQLITE_IOERR_SHORT_READ)
 		return;
 	fp = vn_umash_fprint(&t->keys->header, 0, hdr, hn);
 	t->base_version_len = make_version_id(t->base_version, xattr,
@@ -178,7 +194,10 @@ static void write_new_version(struct vn_tracker *t)
 	vn_random_bytes(uuid, sizeof(uuid));
 	uuid[6] = (uint8_t)((uuid[6] & 0x0f) | 0x40); /* version 4 */
 	uuid[8] = (uint8_t)((uuid[8] & 0x3f) | 0x80); /* RFC 4122 variant */
-	if (setxattr(t->path, VN_VERSION_XATTR, uuid, sizeof(uuid), 0) != 0) {
+	if (setxattr(t->path, VN_VERSION_XATTR, uuid, sizeof(uuid), 0) == 0) {
+		memcpy(t->uuid, uuid, sizeof(uuid));
+		t->uuid_written = 1;
+	} else {
 		if (errno == ENOTSUP) {
 			t->no_xattr = 1;
 			vn_log(SQLITE_NOTICE, "verneuil: %s: no user xattrs on "
@@ -250,7 +269,10 @@ struct build {
 	struct vn_spool_session *s; /* t->session */
 	sqlite3_int64 size;
 	uint64_t n_chunks;
-	uint64_t *words;   /* 2 per chunk */
+	uint64_t *words;   /* 2 per chunk: t->staged.chunks, updated in place */
+	uint64_t old_chunks; /* words[0 .. 2 * old_chunks) held the old ones */
+	size_t len0;       /* bytes of chunk 0 in t->chunk0 */
+	int changed;       /* some fingerprint differs from the old one */
 	size_t created;    /* chunk files written */
 	const char *what;  /* failed operation, for the log */
 	int err;           /* errno value, or 0 for SQLite errors */
@@ -273,27 +295,33 @@ static int read_chunk(struct build *b, uint64_t i, uint8_t *buf, size_t *len)
 	return 0;
 }
 
-/* Reads, fingerprints and (unless chunk 0 or all zero) stages chunk i. */
+/* Fingerprints and (unless chunk 0 or all zero) stages chunk i; chunk 0 was
+ * read into t->chunk0 already, the others are read here. */
 static int process_chunk(struct build *b, uint64_t i)
 {
 	struct vn_tracker *t = b->t;
+	const uint8_t *data = t->chunk0;
 	struct vn_umash_fp fp;
-	size_t len;
+	size_t len = b->len0;
 	int created, rc;
 
-	if (read_chunk(b, i, t->buf, &len) != 0)
-		return -1;
-	fp = vn_umash_fprint(&t->keys->chunk, 0, t->buf, len);
+	if (i != 0) {
+		if (read_chunk(b, i, t->buf, &len) != 0)
+			return -1;
+		data = t->buf;
+	}
+	fp = vn_umash_fprint(&t->keys->chunk, 0, data, len);
+	if (i >= b->old_chunks || b->words[2 * i] != fp.hash[0] ||
+	    b->words[2 * i + 1] != fp.hash[1])
+		b->changed = 1;
 	b->words[2 * i] = fp.hash[0];
 	b->words[2 * i + 1] = fp.hash[1];
-	if (i == 0) {
-		memcpy(t->chunk0, t->buf, len);
+	if (i == 0)
 		return 0;
-	}
 	if (fp.hash[0] == t->keys->zero_chunk.hash[0] &&
 	    fp.hash[1] == t->keys->zero_chunk.hash[1])
 		return 0;
-	rc = vn_spool_stage_chunk(b->s, fp.hash[0], fp.hash[1], t->buf, len,
+	rc = vn_spool_stage_chunk(b->s, fp.hash[0], fp.hash[1], data, len,
 	    &created);
 	if (rc != 0) {
 		b->what = b->s->what;
@@ -308,31 +336,62 @@ static int process_chunk(struct build *b, uint64_t i)
 static int full_scan(struct build *b)
 {
 	b->created = 0;
+	b->old_chunks = 0;
+	b->changed = 1;
 	for (uint64_t i = 0; i < b->n_chunks; i++)
 		if (process_chunk(b, i) != 0)
 			return -1;
 	return 0;
 }
 
-/*
- * Updates b->words from the staged manifest `old` and the dirty chunks.
- * Returns 0 on success, 1 if a clean chunk turned out to have changed (the
- * caller falls back to a full scan), -1 on error.
- */
-static int incremental(struct build *b, const struct vn_manifest *old)
+/* Whether clean chunk j still has the fingerprint in b->words. */
+static int clean_chunk_matches(struct build *b, uint64_t j, int *matches)
 {
 	struct vn_tracker *t = b->t;
-	uint64_t common = old->len < (uint64_t)b->size ? old->len : (uint64_t)b->size;
-	/* Chunks below `stable` have the same (full) length before and after. */
-	uint64_t stable = common / VN_CHUNK_SIZE;
+	size_t len;
+
+	if (read_chunk(b, j, t->buf, &len) != 0)
+		return -1;
+	if (t->keys->primary_is_full) {
+		/* 64 bits are plenty to notice a change, at half the cost. */
+		*matches = vn_umash_full(&t->keys->chunk, 0, 0, t->buf, len) ==
+		    b->words[2 * j];
+	} else {
+		struct vn_umash_fp fp =
+		    vn_umash_fprint(&t->keys->chunk, 0, t->buf, len);
+
+		*matches = fp.hash[0] == b->words[2 * j] &&
+		    fp.hash[1] == b->words[2 * j + 1];
+	}
+	return 0;
+}
+
+/*
+ * Updates b->words, which hold the staged manifest's fingerprints (old_len
+ * bytes of database), from the dirty chunks.  Returns 0 on success, 1 if a
+ * clean chunk turned out to have changed (the caller falls back to a full
+ * scan), -1 on error.
+ */
+static int incremental(struct build *b, uint64_t old_len)
+{
+	struct vn_tracker *t = b->t;
+	uint64_t common = old_len < (uint64_t)b->size ? old_len : (uint64_t)b->size;
+	/* Chunks below `stable` have the same length before and after, so
+	 * only writes can have changed them, and those are in the bitmap: the
+	 * full chunks below the shorter length, and all of them if the length
+	 * is the same (the last chunk, full or not, keeps its length). */
+	uint64_t stable = old_len == (uint64_t)b->size ? b->n_chunks :
+	    common / VN_CHUNK_SIZE;
 	uint64_t n_dirty = 0;
 
-	if (stable > b->n_chunks)
-		stable = b->n_chunks;
-	memcpy(b->words, old->chunks, 16 * stable);
+	b->created = 0;
+	b->changed = 0;
+	b->old_chunks = (old_len + VN_CHUNK_SIZE - 1) / VN_CHUNK_SIZE;
+	/* Chunk 0 always: its bytes are bundled in the manifest. */
 	if (process_chunk(b, 0) != 0)
 		return -1;
-	n_dirty++;
+	if (test_bit(t, 0))
+		n_dirty++;
 	for (size_t w = 0; w < t->dirty_words && w * 64 < stable; w++) {
 		uint64_t bits = t->dirty[w];
 
@@ -352,19 +411,17 @@ static int incremental(struct build *b, const struct vn_manifest *old)
 			return -1;
 		n_dirty++;
 	}
-	/* FORMAT.md: for every dirty chunk, re-hash one random clean chunk. */
+	/* FORMAT.md: for every dirty chunk, re-hash one random clean chunk.
+	 * Clean chunks below `stable` still hold their old words. */
 	for (uint64_t k = 0; k < n_dirty && stable > 1; k++) {
 		uint64_t j = 1 + next_random(t) % (stable - 1);
-		struct vn_umash_fp fp;
-		size_t len;
+		int matches;
 
 		if (test_bit(t, j))
 			continue;
-		if (read_chunk(b, j, t->buf, &len) != 0)
+		if (clean_chunk_matches(b, j, &matches) != 0)
 			return -1;
-		fp = vn_umash_fprint(&t->keys->chunk, 0, t->buf, len);
-		if (fp.hash[0] != old->chunks[2 * j] ||
-		    fp.hash[1] != old->chunks[2 * j + 1]) {
+		if (!matches) {
 			vn_log(SQLITE_NOTICE, "verneuil: %s: chunk %llu changed "
 			    "behind our back; rebuilding the snapshot", t->path,
 			    (unsigned long long)j);
@@ -382,6 +439,54 @@ static int ensure_buffers(struct vn_tracker *t)
 	if (t->chunk0 == NULL)
 		t->chunk0 = malloc(VN_CHUNK_SIZE);
 	return t->buf != NULL && t->chunk0 != NULL ? 0 : -1;
+}
+
+/* Room for n_chunks chunks' words in t->staged.chunks, keeping its
+ * contents. */
+static int reserve_words(struct vn_tracker *t, uint64_t n_chunks)
+{
+	size_t need = 2 * (size_t)n_chunks;
+	size_t want = t->staged_cap ? t->staged_cap : 64;
+	uint64_t *grown;
+
+	if (need <= t->staged_cap)
+		return 0;
+	while (want < need)
+		want *= 2;
+	grown = realloc(t->staged.chunks, want * sizeof(uint64_t));
+	if (grown == NULL)
+		return -1;
+	t->staged.chunks = grown;
+	t->staged_cap = want;
+	return 0;
+}
+
+/* Reads and decodes staging/meta/<name> into t->staged: 0, or -1 if there
+ * is none or it is unreadable (then t->staged_valid is 0). */
+static int load_staged(struct vn_tracker *t)
+{
+	struct vn_manifest m;
+	struct vn_file_id id;
+	uint8_t *buf = NULL;
+	size_t len = 0;
+	int rc;
+
+	t->staged_valid = 0;
+	if (vn_spool_read_manifest(&t->session, &t->spool, &buf, &len, &id) != 0)
+		return -1;
+	rc = vn_manifest_decode(buf, len, &m);
+	free(buf);
+	if (rc != 0)
+		return -1;
+	m.bundled0 = NULL; /* pointed into buf */
+	m.bundled0_len = 0;
+	m.has_bundled0 = 0;
+	free(t->staged.chunks);
+	t->staged = m;
+	t->staged_cap = m.n_words;
+	t->staged_id = id;
+	t->staged_valid = 1;
+	return 0;
 }
 
 static void maybe_gc(struct build *b, double gc_weight)
@@ -410,19 +515,16 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
     sqlite3_file *db, const struct vn_snapshot_config *config)
 {
 	struct build b = { .t = t, .db = db, .s = &t->session };
-	struct vn_manifest old, now;
-	uint8_t hdr[VN_HEADER_BYTES];
+	struct vn_manifest now;
+	struct vn_manifest_parts parts;
 	uint8_t xattr[VN_MAX_VERSION_ID - 16];
-	uint8_t *old_buf = NULL, *encoded = NULL;
-	size_t old_len = 0, encoded_len = 0, hn;
+	uint64_t old_len = 0;
+	size_t hn;
 	ssize_t xn;
-	int have_old = 0, use_incremental = 0, published = 0, rc;
-	enum vn_snapshot_result result = VN_SNAPSHOT_FAILED;
+	int use_incremental = 0, unchanged, published = 0, rc;
 	struct stat st;
-	struct vn_file_id id, new_id;
-	int have_new_id = 0;
+	struct vn_file_id id;
 
-	memset(&old, 0, sizeof(old));
 	memset(&now, 0, sizeof(now));
 	if (!t->spool_ok) {
 		b.what = "locate the spool directory";
@@ -440,36 +542,45 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 		b.err = ENOMEM;
 		goto fail;
 	}
-	rc = read_header(db, b.size, hdr, &hn);
-	if (rc != SQLITE_OK) {
-		b.what = "read the header";
-		b.sqlite_rc = rc;
+	/* Chunk 0 is needed in every case (it is bundled in the manifest) and
+	 * holds the header: read it once. */
+	if (read_chunk(&b, 0, t->chunk0, &b.len0) != 0)
 		goto fail;
-	}
+	hn = b.len0 < VN_HEADER_BYTES ? b.len0 : VN_HEADER_BYTES;
 	/* Bytes 18 and 19: file format write/read versions; 2 means WAL. */
-	if (hn >= 20 && (hdr[18] == 2 || hdr[19] == 2))
+	if (hn >= 20 && (t->chunk0[18] == 2 || t->chunk0[19] == 2))
 		return VN_SNAPSHOT_WAL;
-	now.header_fprint = vn_umash_fprint(&t->keys->header, 0, hdr, hn);
+	now.header_fprint = vn_umash_fprint(&t->keys->header, 0, t->chunk0, hn);
 	now.has_header_fprint = 1;
-	xn = read_version_xattr(t, xattr, sizeof(xattr));
-	if (xn == 0 && !t->no_xattr) {
-		/* No version yet (a file never written through us): tag the
-		 * current contents so that the next transaction can update this
-		 * snapshot incrementally.  Safe under SHARED: the contents cannot
-		 * change, and a crash before the manifest is published only leaves
-		 * a version that no manifest has. */
-		write_new_version(t);
+	xn = 0;
+	if (!t->uuid_written && !t->no_xattr) {
 		xn = read_version_xattr(t, xattr, sizeof(xattr));
+		if (xn == 0 && !t->no_xattr) {
+			/* No version yet (a file never written through us): tag
+			 * the current contents so that the next transaction can
+			 * update this snapshot incrementally.  Safe under SHARED:
+			 * the contents cannot change, and a crash before the
+			 * manifest is published only leaves a version that no
+			 * manifest has. */
+			write_new_version(t);
+		}
 	}
-	if (xn < 0)
+	if (t->uuid_written) {
+		/* The UUID we wrote in this write period: under our SHARED
+		 * lock nobody else changes the xattr (writers change it before
+		 * their first write, which needs an EXCLUSIVE lock). */
+		static_assert(sizeof(t->uuid) <= sizeof(xattr), "a UUID fits");
+		memcpy(xattr, t->uuid, sizeof(t->uuid));
+		xn = (ssize_t)sizeof(t->uuid);
+	} else if (xn < 0) {
 		xn = 0;
+	}
 	now.version_id_len = make_version_id(now.version_id, xattr,
 	    (size_t)xn, &now.header_fprint);
 
 	if (!vn_spool_session_valid(b.s)) {
 		vn_spool_close(b.s);
-		free(t->cached);
-		t->cached = NULL;
+		t->staged_valid = 0;
 		rc = vn_spool_open(&t->spool, b.s);
 		if (rc != 0) {
 			b.what = b.s->what;
@@ -478,34 +589,35 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 		}
 	}
 	b.n_chunks = ((uint64_t)b.size + VN_CHUNK_SIZE - 1) / VN_CHUNK_SIZE;
-	b.words = malloc(16 * b.n_chunks);
-	if (b.words == NULL) {
+
+	if (!t->force_full && t->base_valid && xn > 0) {
+		/* The decoded copy if the staged file is still the one we
+		 * decoded or wrote (published files never change in place);
+		 * otherwise read it. */
+		if (!t->staged_valid ||
+		    vn_spool_manifest_id(b.s, &t->spool, &id) != 0 ||
+		    !vn_file_id_equal(&id, &t->staged_id))
+			load_staged(t);
+		use_incremental = t->staged_valid &&
+		    !t->staged.has_base_chunks_fprint && t->staged.len > 0 &&
+		    t->staged.n_words == 2 * ((t->staged.len + VN_CHUNK_SIZE - 1) /
+		    VN_CHUNK_SIZE) &&
+		    t->staged.version_id_len == t->base_version_len &&
+		    memcmp(t->staged.version_id, t->base_version,
+		    t->staged.version_id_len) == 0;
+	}
+	old_len = use_incremental ? t->staged.len : 0;
+	/* From here the words are rewritten in place: until the new manifest
+	 * is published (or found unchanged), they describe no staged file. */
+	t->staged_valid = 0;
+	if (reserve_words(t, b.n_chunks) != 0) {
 		b.what = "allocate the chunk list";
 		b.err = ENOMEM;
 		goto fail;
 	}
-
-	if (!t->force_full && t->base_valid && xn > 0) {
-		if (t->cached != NULL &&
-		    vn_spool_manifest_id(b.s, &t->spool, &id) == 0 &&
-		    vn_file_id_equal(&id, &t->cached_id)) {
-			old_buf = t->cached; /* still the staged manifest */
-			old_len = t->cached_len;
-			t->cached = NULL;
-		} else if (vn_spool_read_manifest(b.s, &t->spool, &old_buf,
-		    &old_len, &id) != 0) {
-			old_buf = NULL;
-		}
-		have_old = old_buf != NULL &&
-		    vn_manifest_decode(old_buf, old_len, &old) == 0;
-		use_incremental = have_old && !old.has_base_chunks_fprint &&
-		    old.len > 0 &&
-		    old.n_words == 2 * ((old.len + VN_CHUNK_SIZE - 1) / VN_CHUNK_SIZE) &&
-		    old.version_id_len == t->base_version_len &&
-		    memcmp(old.version_id, t->base_version, old.version_id_len) == 0;
-	}
+	b.words = t->staged.chunks;
 	if (use_incremental) {
-		rc = incremental(&b, &old);
+		rc = incremental(&b, old_len);
 		if (rc < 0)
 			goto fail;
 		if (rc > 0)
@@ -514,17 +626,14 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 	if (!use_incremental && full_scan(&b) != 0)
 		goto fail;
 
-	if (use_incremental && old.len == (uint64_t)b.size &&
-	    old.version_id_len == now.version_id_len &&
-	    memcmp(old.version_id, now.version_id, now.version_id_len) == 0 &&
-	    memcmp(old.chunks, b.words, 16 * b.n_chunks) == 0) {
+	unchanged = use_incremental && !b.changed &&
+	    old_len == (uint64_t)b.size &&
+	    t->staged.version_id_len == now.version_id_len &&
+	    memcmp(t->staged.version_id, now.version_id, now.version_id_len) == 0;
+	if (unchanged) {
 		/* Nothing changed: the staged manifest is current. */
-		t->stats.unchanged++;
-		encoded = old_buf;
-		encoded_len = old_len;
-		old_buf = NULL;
-		new_id = id;
-		have_new_id = 1;
+		now = t->staged;
+		id = t->staged_id;
 	} else {
 		now.contents_fprint = vn_umash_fprint(&t->keys->directory, 0,
 		    b.words, 16 * b.n_chunks);
@@ -536,29 +645,40 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 		}
 		now.chunks = b.words;
 		now.n_words = 2 * b.n_chunks;
-		now.bundled0 = t->chunk0;
-		now.bundled0_len = b.size < VN_CHUNK_SIZE ? (size_t)b.size : VN_CHUNK_SIZE;
-		now.has_bundled0 = 1;
-		if (vn_manifest_encode(&now, &encoded, &encoded_len) != 0) {
-			b.what = "encode the manifest";
-			b.err = ENOMEM;
-			goto fail;
-		}
-		rc = vn_spool_publish_manifest(b.s, &t->spool, encoded,
-		    encoded_len, &new_id);
+	}
+	now.bundled0 = t->chunk0;
+	now.bundled0_len = b.len0;
+	now.has_bundled0 = 1;
+	if (vn_manifest_encode_parts(&now, &parts) != 0) {
+		b.what = "encode the manifest";
+		b.err = EFBIG;
+		goto fail;
+	}
+	if (unchanged) {
+		t->stats.unchanged++;
+	} else {
+		rc = vn_spool_publish_manifest(b.s, &t->spool, parts.iov,
+		    parts.iovcnt, &id);
 		if (rc != 0) {
 			b.what = b.s->what;
 			b.err = rc;
 			goto fail;
 		}
-		have_new_id = 1;
 		if (use_incremental)
 			t->stats.incremental++;
 		else
 			t->stats.full++;
 	}
+	/* The words describe the staged file again (parts keeps pointing at
+	 * chunk 0 for the ready copy). */
+	now.bundled0 = NULL;
+	now.bundled0_len = 0;
+	now.has_bundled0 = 0;
+	t->staged = now;
+	t->staged_id = id;
+	t->staged_valid = 1;
 
-	rc = vn_spool_publish_ready(b.s, &t->spool, encoded, encoded_len,
+	rc = vn_spool_publish_ready(b.s, &t->spool, parts.iov, parts.iovcnt,
 	    b.words, b.n_chunks, &published);
 	if (rc != 0) {
 		/* The staged snapshot stands; ready is retried next time. */
@@ -569,15 +689,7 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 	} else {
 		maybe_gc(&b, config->gc_weight);
 	}
-	result = VN_SNAPSHOT_DONE;
-	if (have_new_id) {
-		free(t->cached);
-		t->cached = encoded;
-		t->cached_len = encoded_len;
-		t->cached_id = new_id;
-		encoded = NULL;
-	}
-	goto out;
+	return VN_SNAPSHOT_DONE;
 
 fail:
 	t->stats.failed++;
@@ -590,13 +702,6 @@ fail:
 		    t->path, b.what, b.sqlite_rc);
 	vn_tracker_clear_version(t);
 	vn_spool_close(b.s); /* reopened (and recreated) next time */
-	free(t->cached);
-	t->cached = NULL;
-out:
-	if (have_old)
-		vn_manifest_release(&old);
-	free(old_buf);
-	free(encoded);
-	free(b.words);
-	return result;
+	t->staged_valid = 0;
+	return VN_SNAPSHOT_FAILED;
 }

@@ -59,17 +59,28 @@ struct vn_tracker {
 	int base_valid;            /* version id seen at write lock */
 	uint8_t base_version[VN_MAX_VERSION_ID];
 	size_t base_version_len;
+	/* The UUID this write period wrote to the xattr (valid if
+	 * uuid_written): the snapshot's version id, without reading it back. */
+	uint8_t uuid[VN_UUID_BYTES];
+	int uuid_written;
 
 	struct vn_spool_session session; /* kept open across snapshots */
 
-	/* The manifest we last published or read, while it stays staged: an
-	 * incremental update then needs no read of staging/meta. */
-	uint8_t *cached;
-	size_t cached_len;
-	struct vn_file_id cached_id;
+	/*
+	 * The staged manifest, decoded, as we last published or read it; valid
+	 * while staging/meta/<name> is still that file (same vn_file_id), so
+	 * that an incremental update neither reads nor decodes it.  Its chunk
+	 * words (staged.chunks, capacity staged_cap words) are also the next
+	 * snapshot's: updated in place, then written from where they are.
+	 * staged.bundled0 is not kept (chunk 0 is re-read every time).
+	 */
+	struct vn_manifest staged;
+	int staged_valid;
+	size_t staged_cap;
+	struct vn_file_id staged_id;
 
 	uint8_t *buf;              /* VN_CHUNK_SIZE scratch for chunk reads */
-	uint8_t *chunk0;           /* VN_CHUNK_SIZE copy of chunk 0 */
+	uint8_t *chunk0;           /* VN_CHUNK_SIZE: chunk 0 as of the snapshot */
 	uint64_t rng;              /* splitmix64 state for GC and verification */
 
 	struct vn_tracker_stats stats;

@@ -196,6 +196,22 @@ static void log_wal_once(struct vn_db *db)
 	    db->canon);
 }
 
+/* Offsets 18 and 19 of the SQLite header: file format write / read
+ * versions, 2 for WAL and 1 for a rollback journal. */
+#define SQLITE_HEADER_FORMAT_OFFSET 18
+
+/* Whether the file's header still declares WAL (or cannot be read: then
+ * keep assuming WAL, which only costs replication, never correctness). */
+static int header_says_wal(sqlite3_file *f)
+{
+	unsigned char v[2];
+
+	if (REAL(f)->pMethods->xRead(REAL(f), v, sizeof(v),
+		SQLITE_HEADER_FORMAT_OFFSET) != SQLITE_OK)
+		return 1;
+	return v[0] == 2 || v[1] == 2;
+}
+
 /* A write transaction ended: snapshot under SHARED, then finish unlocking. */
 static int unlock_after_write(sqlite3_file *f, struct vn_db *db, int level)
 {
@@ -203,6 +219,15 @@ static int unlock_after_write(sqlite3_file *f, struct vn_db *db, int level)
 	struct vn_snapshot_config sc;
 	int hot, rc;
 
+	if (db->wal && !header_says_wal(f)) {
+		/*
+		 * The database left WAL mode (xShmUnmap is not always called,
+		 * e.g. with locking_mode=EXCLUSIVE): replicate it again, from
+		 * a full scan since WAL-mode writes were not tracked.
+		 */
+		db->wal = 0;
+		db->tracker.force_full = 1;
+	}
 	hot = !db->wal && vn_journal_is_hot(db->name);
 	rc = REAL(f)->pMethods->xUnlock(REAL(f), SQLITE_LOCK_SHARED);
 	if (rc != SQLITE_OK) {

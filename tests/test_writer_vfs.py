@@ -191,6 +191,29 @@ print(writer_vfs.stats(c)["wal"])
     conn.close()
 
 
+@pytest.mark.parametrize("locking", ["NORMAL", "EXCLUSIVE"])
+def test_leaving_wal_replicates_again(tmp_path, locking):
+    """A database taken out of WAL mode is snapshotted again (found by
+    SQLite's exclusive.test under the self-checking testfixture)."""
+    spool, db = str(tmp_path / "spool"), str(tmp_path / "w.db")
+    writer_vfs.register(spool)
+    c = writer_vfs.connect(db, isolation_level=None)
+    c.execute("PRAGMA locking_mode=%s" % locking)
+    c.execute("CREATE TABLE t(v)")
+    assert c.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
+    c.execute("INSERT INTO t VALUES (randomblob(70000))")
+    assert c.execute("PRAGMA journal_mode=DELETE").fetchone()[0] == "delete"
+    c.execute("INSERT INTO t VALUES (randomblob(70000))")
+    c.execute("INSERT INTO t VALUES (2)")
+    assert writer_vfs.stats(c)["wal"] == 0
+    c.execute("PRAGMA locking_mode=NORMAL")
+    c.execute("SELECT count(*) FROM t").fetchone()  # releases an exclusive lock
+    c.close()
+    with open(db, "rb") as f:
+        data = f.read()
+    assert spoolutil.rebuild_from_staging(spoolutil.db_spool_dir(spool, db), db_path=db) == data
+
+
 # ---- property-based: random workloads, staging == file after every commit ----
 
 OPS = st.one_of(
