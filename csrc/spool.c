@@ -351,24 +351,6 @@ void vn_spool_fini(struct vn_spool *spool)
 
 /* ---- file helpers ------------------------------------------------------- */
 
-static int write_all(int fd, const void *buf, size_t n)
-{
-	const char *p = buf;
-
-	while (n > 0) {
-		ssize_t w = write(fd, p, n);
-
-		if (w < 0) {
-			if (errno == EINTR)
-				continue;
-			return errno;
-		}
-		p += w;
-		n -= (size_t)w;
-	}
-	return 0;
-}
-
 /* Writes every byte of iov[0..cnt) (advancing over short writes); 0 or an
  * errno value.  Modifies iov. */
 static int writev_all(int fd, struct iovec *iov, int cnt)
