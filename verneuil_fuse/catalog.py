@@ -106,7 +106,8 @@ def _clean(components: list[str]) -> list[str]:
     for c in components:
         if c in ("", "."):
             continue
-        out.append("%2E%2E" if c == ".." else c)
+        # A NUL cannot be in a file name (the kernel would cut it there).
+        out.append("%2E%2E" if c == ".." else c.replace("\0", "%00"))
     return out
 
 
@@ -119,6 +120,8 @@ def display_path(key: str) -> tuple[str, list[str]] | None:
     host = parsed.hostname
     if host in ("", ".", ".."):
         host = host.replace(".", "%2E") or "%2E"
+    # The host is one directory name: no "/" (nor NUL) may split it.
+    host = host.replace("/", "%2F").replace("\0", "%00")
     if not parsed.mangled:
         return host, _clean(parsed.path.split("/"))
     # Mangled: <first 104 encoded bytes><32 hex><last 104 encoded bytes>.

@@ -694,9 +694,10 @@ def _setup_logging(verbose: int, quiet: bool) -> None:
         logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
     logging.basicConfig(level=level, format="verneuilctl: %(levelname)s: %(message)s",
                         stream=sys.stderr)
-    if verbose < 3:  # botocore's debug output is rarely what one wants
-        logging.getLogger("botocore").setLevel(max(level, logging.INFO))
-        logging.getLogger("urllib3").setLevel(max(level, logging.INFO))
+    # botocore's debug output holds request headers (the access key id, a
+    # session token): never below INFO, however verbose.
+    for name in ("botocore", "boto3", "urllib3", "s3transfer"):
+        logging.getLogger(name).setLevel(max(level, logging.INFO))
 
 
 def _error(message: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import logging.handlers
 import os
 import re
@@ -83,7 +84,7 @@ class UserError(Exception):
     """A problem the user can fix; printed as one line, no traceback."""
 
     def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
+        super().__init__(" ".join(str(message).splitlines()))  # always one line
         self.code = code
 
 
@@ -120,7 +121,10 @@ def parse_size(text: str) -> int:
     if not m:
         raise ValueError("not a size: %r" % text)
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
+    value = float(m.group(1)) * scale
+    if not math.isfinite(value) or value >= 1 << 62:
+        raise ValueError("too large: %r" % text)
+    return int(value)
 
 
 def _bool(text: str) -> bool:
@@ -148,9 +152,23 @@ def _nonneg_int(text: str) -> int:
 
 def _seconds(text: str) -> float:
     v = float(text)
-    if not v > 0:
-        raise ValueError("must be positive")
+    if not 0 < v < math.inf:
+        raise ValueError("must be a positive number of seconds")
     return v
+
+
+def _nonneg_seconds(text: str) -> float:
+    v = float(text)
+    if not 0 <= v < math.inf:
+        raise ValueError("must be a number of seconds, 0 or more")
+    return v
+
+
+def _fuse_value(text: str) -> str:
+    """A value libfuse can take in one option: printable ASCII without the
+    comma it splits on or the backslash it unescapes (pyfuse3 encodes options
+    as ASCII); anything else becomes "_"."""
+    return re.sub(r"[^\x21-\x7e]|[,\\]", "_", text)[:200]
 
 
 _OWN = {
@@ -167,7 +185,7 @@ _OWN = {
     "retries": _nonneg_int,
     "timeout": _seconds,
     "hydrate": _bool,
-    "entry_timeout": float,
+    "entry_timeout": _nonneg_seconds,
     "read_ahead_kb": _nonneg_int,
     "log_file": str,
     "log_level": lambda t: _check_level(t),
@@ -210,7 +228,7 @@ def parse_args(argv: list[str] | None) -> Options:
             if name in LIBFUSE_FLAGS and not eq:
                 fuse.add(name)
             elif name in LIBFUSE_VALUES and eq:
-                fuse.add(item)
+                fuse.add("%s=%s" % (name, _fuse_value(value)))
             elif name in _OWN:
                 if not eq and name != "hydrate":
                     raise UserError("option %s needs a value (%s=...)" % (name, name), EXIT_USAGE)
@@ -223,7 +241,7 @@ def parse_args(argv: list[str] | None) -> Options:
             else:
                 raise UserError("unknown mount option: %s (see verneuil --help)" % item, EXIT_USAGE)
     if not any(o.startswith("fsname=") for o in fuse):
-        fuse.add("fsname=" + re.sub(r"[,\\\s]", "_", opts.source)[:200])
+        fuse.add("fsname=" + _fuse_value(opts.source))
     if not any(o.startswith("subtype=") for o in fuse):
         fuse.add("subtype=verneuil")
     opts.fuse = sorted(fuse)
@@ -268,6 +286,10 @@ def setup_logging(opts: Options, daemon: bool) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
     root.setLevel(opts.log_level.upper())
+    # botocore's debug output holds request headers (the access key id, a
+    # session token): never below INFO, whatever log_level says.
+    for name in ("botocore", "boto3", "urllib3", "s3transfer"):
+        logging.getLogger(name).setLevel(max(logging.INFO, root.level))
 
 
 # ------------------------------------------------------------------ checks

@@ -206,11 +206,13 @@ class Copier:
                 self._count(chunks_skipped=1)
             return True
         try:
-            with open(path, "rb") as f:
-                data = f.read(fmt.CHUNK_SIZE + 1)
+            data = sp.read_regular(path, fmt.CHUNK_SIZE + 1)
         except FileNotFoundError:
+            if os.path.lexists(path):  # a dangling symlink: junk, not a chunk
+                self._dead_letter(db, path, "dangling." + name)
+                return False
             return True  # another copier (or the writer's GC) got there first
-        except IsADirectoryError:
+        except IsADirectoryError:  # or a FIFO, socket, device (NotRegular)
             self._dead_letter(db, path, "dir." + name)
             return False
         if len(data) > fmt.CHUNK_SIZE or (
@@ -319,8 +321,7 @@ class Copier:
         meta_dir = db.sub(sp.STAGING, sp.META)
         for name in sp.listdir_or_empty(meta_dir):
             try:
-                with open(os.path.join(meta_dir, name), "rb") as f:
-                    raw = f.read()
+                raw = sp.read_regular(os.path.join(meta_dir, name))
                 m = self._validate(raw)
             except (OSError, BadSnapshot):
                 continue
@@ -446,11 +447,12 @@ class Copier:
             self._dead_letter(db, path, "badname.manifest")
             return
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            raw = sp.read_regular(path)
         except FileNotFoundError:
+            if os.path.lexists(path):  # a dangling symlink
+                self._dead_letter(db, path, "dangling.manifest")
             return  # uploaded by another copier
-        except IsADirectoryError:
+        except IsADirectoryError:  # or a FIFO, socket, device (NotRegular)
             self._dead_letter(db, path, "dir.manifest")
             return
         if bad:
@@ -508,8 +510,13 @@ class Copier:
         with self._db_lock(db):
             # 1. identity of what we read (the file is immutable once published)
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = sp.open_regular(path)
             except FileNotFoundError:
+                if os.path.lexists(path):  # a dangling symlink is not the writer's
+                    self._dead_letter(db, path, "staging.dangling")
+                return False
+            except IsADirectoryError:  # a directory or FIFO is not the writer's
+                self._dead_letter(db, path, "staging.notfile")
                 return False
             try:
                 ident = sp.identity_of_fd(fd)

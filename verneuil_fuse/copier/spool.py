@@ -103,8 +103,7 @@ class DbDir(NamedTuple):
 
     def source(self) -> Optional[str]:
         try:
-            with open(self.sub(SOURCE), "rb") as f:
-                return os.fsdecode(f.read().rstrip(b"\n"))
+            return os.fsdecode(read_regular(self.sub(SOURCE), 65536).rstrip(b"\n"))
         except OSError:
             return None
 
@@ -220,6 +219,31 @@ def dead_letter(root: str, path: str, label: str) -> Optional[str]:
         return None
     log.warning("moved unexpected %s to %s", path, target)
     return target
+
+
+class NotRegular(IsADirectoryError):
+    """A directory, FIFO, socket or device where a spool file belongs."""
+
+
+def open_regular(path: str) -> int:
+    """A descriptor of the regular file at `path`; NotRegular for anything
+    else.  Opened with O_NONBLOCK, so a FIFO planted in a spool cannot block
+    a copier (the flag changes nothing for regular files)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegular(errno.EISDIR, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str, limit: int = -1) -> bytes:
+    """The bytes (at most `limit`) of the regular file at `path` (see
+    open_regular)."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        return f.read(limit)
 
 
 def unlink_quiet(path: str, dir_fd: Optional[int] = None) -> bool:

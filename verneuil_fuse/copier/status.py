@@ -64,9 +64,8 @@ def db_status(db: sp.DbDir, store=None) -> dict:
         entry: dict = {"name": name}
         try:
             mtime = os.stat(path).st_mtime
-            with open(path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
+            raw = sp.read_regular(path)
+        except (FileNotFoundError, IsADirectoryError):
             continue
         entry["age"] = max(0.0, now - mtime)
         try:

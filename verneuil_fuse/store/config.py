@@ -101,6 +101,14 @@ FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 MAX_QUOTED_SPEC = 80
 
 
+def _urlsplit(text: str, what: str) -> urllib.parse.SplitResult:
+    """urlsplit, with its ValueError (e.g. "Invalid IPv6 URL") as a ConfigError."""
+    try:
+        return urllib.parse.urlsplit(text)
+    except ValueError as err:
+        raise ConfigError(f"{what} is not a valid URL ({err}): {_quote_spec(text)}") from None
+
+
 def _quote_spec(text: str) -> str:
     text = text if len(text) <= MAX_QUOTED_SPEC else text[:MAX_QUOTED_SPEC] + "..."
     return repr(text)
@@ -221,7 +229,7 @@ def _query(parts: urllib.parse.SplitResult, allowed: frozenset[str], scheme: str
 
 
 def _parse_file_url(text: str) -> dict[str, Any]:
-    parts = urllib.parse.urlsplit(text)
+    parts = _urlsplit(text, "file URL")
     if parts.netloc not in ("", "localhost"):
         raise ConfigError(
             f"file URL host must be empty or localhost (write file:///abs/dir): {_quote_spec(text)}"
@@ -237,7 +245,13 @@ def _parse_file_url(text: str) -> dict[str, Any]:
 
 
 def _parse_s3_url(text: str) -> dict[str, Any]:
-    parts = urllib.parse.urlsplit(text)
+    if "@" in text.split("?", 1)[0]:
+        # Never echo it: what precedes the "@" looks like credentials.
+        raise ConfigError(
+            "s3 URL must not hold credentials; boto3 reads them from its default "
+            "chain (environment, ~/.aws, instance role)"
+        )
+    parts = _urlsplit(text, "s3 URL")
     if "@" in parts.netloc:
         # Never echo the netloc: it holds what looks like credentials.
         raise ConfigError(
@@ -325,7 +339,7 @@ def _normalize_directory(body: Any, where: str) -> dict[str, Any]:
         raise ConfigError(f"{where} must be an object like {{\"path\": \"/dir\"}}")
     path = _string(body, "path", where, required=True)
     assert path is not None
-    if not os.path.isabs(path):
+    if not os.path.isabs(path) or "\0" in path:
         raise ConfigError(f"{where}.path must be an absolute path, not {_quote_spec(path)}")
     create = _bool(body.get("create", True), f"{where}.create")
     return {"kind": "directory", "path": os.path.normpath(path), "create": create}
@@ -342,9 +356,9 @@ def _check_prefix(prefix: str, what: str) -> None:
 
 
 def _check_endpoint(endpoint: str, what: str) -> None:
-    parts = urllib.parse.urlsplit(endpoint)
-    if "@" in parts.netloc:
+    if "@" in endpoint:
         raise ConfigError(f"{what} must not hold credentials (boto3's default chain supplies them)")
+    parts = _urlsplit(endpoint, what)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{what} must be an http:// or https:// URL, not {_quote_spec(endpoint)}")
     try:

@@ -125,7 +125,7 @@ class LocalBackend:
         reason = err.strerror or type(err).__name__
         message = f"{op} {where}: {reason}"
         code = err.errno
-        if code in (errno.ENOENT, errno.ENOTDIR):
+        if code in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):  # ELOOP: a symlink, not a blob
             if self._root_missing():
                 return BucketNotFound(
                     f"{op} {where}: directory {self.root} does not exist", key=key
@@ -195,10 +195,16 @@ class LocalBackend:
 
     # -- Backend ---------------------------------------------------------
 
+    @staticmethod
+    def _open_blob(path: str):
+        """The blob file itself: a symlink planted under a key is refused
+        (ELOOP), so no key reads a file outside the directory."""
+        return open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW))
+
     def get(self, key: str) -> bytes:
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
+            with self._open_blob(path) as f:
                 return f.read()
         except OSError as err:
             raise self._error(err, "read", key) from None
@@ -207,7 +213,7 @@ class LocalBackend:
         path = self._path(key)
         check_range(start, end)
         try:
-            with open(path, "rb") as f:
+            with self._open_blob(path) as f:
                 if start == end:
                     return b""
                 f.seek(start)
@@ -267,7 +273,7 @@ class LocalBackend:
     def exists(self, key: str) -> bool:
         path = self._path(key)
         try:
-            st = os.stat(path)
+            st = os.lstat(path)  # a symlink is not a blob (as in listings)
         except FileNotFoundError:
             if self._root_missing():
                 raise BucketNotFound(f"directory {self.root} does not exist", key=key) from None
@@ -339,6 +345,8 @@ class LocalBackend:
     def touch(self, key: str) -> None:
         path = self._path(key)
         try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):  # never through a symlink
+                raise FileNotFoundError(errno.ENOENT, "not a blob", path)
             os.utime(path, None)
         except OSError as err:
             raise self._error(err, "touch", key) from None
