@@ -388,7 +388,8 @@ class Copier:
                 self._dead_letter(db, path, "consuming." + name)
                 continue
             try:
-                fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                # O_NOFOLLOW: a symlink (dangling or not) is junk, never a snapshot.
+                fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except FileNotFoundError:
                 continue  # another copier finished it
             except NotADirectoryError:
