@@ -82,3 +82,12 @@ def pytest_collection_modifyitems(config, items):
         params = callspec.params.values() if callspec is not None else ()
         if "s3_server" in names or "s3_store" in names or any(p == "s3" for p in params):
             item.add_marker(pytest.mark.s3)
+
+
+# CI explores the same hypothesis examples every run (a red CI then always
+# means a change broke something); developers' runs keep exploring new ones.
+if os.environ.get("CI"):
+    from hypothesis import settings as _hsettings
+
+    _hsettings.register_profile("ci", derandomize=True, print_blob=True)
+    _hsettings.load_profile("ci")

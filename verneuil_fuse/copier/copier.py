@@ -31,6 +31,7 @@ import logging
 import os
 import random
 import shutil
+import stat
 import threading
 import time
 from typing import Callable, Iterator, Optional
@@ -159,11 +160,30 @@ class Copier:
         if sp.dead_letter(db.root, path, "%s.%s" % (db.name, what)):
             self._count(dead_letters=1)
 
+    def _open_lock_file(self, db: sp.DbDir) -> int:
+        """Open (creating) the database's lock file; something else under
+        that name (a directory, a symlink, a FIFO) is moved aside first."""
+        path = db.sub(sp.LOCK_FILE)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        for _ in range(2):
+            try:
+                fd = os.open(path, flags, 0o666)
+            except (IsADirectoryError, OSError) as e:
+                if isinstance(e, IsADirectoryError) or e.errno in (errno.ELOOP, errno.ENXIO):
+                    self._dead_letter(db, path, "lock")
+                    continue
+                raise
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return fd
+            os.close(fd)
+            self._dead_letter(db, path, "lock")
+        raise OSError(errno.EEXIST, "cannot create a lock file", path)
+
     @contextlib.contextmanager
     def _db_lock(self, db: sp.DbDir) -> Iterator[bool]:
         """The database's advisory flock, waited for at most lock_timeout;
         yields whether it is held (on timeout we go on without, as Verneuil)."""
-        fd = os.open(db.sub(sp.LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = self._open_lock_file(db)
         try:
             deadline = time.monotonic() + self.lock_timeout
             delay = 0.001
