@@ -150,8 +150,11 @@ def test_disk_cache_is_verified_and_shared(chunks, tmp_path):
     assert run(g, lambda: g.get(fps[0])) == pub.chunks[fps[0]]
     assert store.chunks.gets == [] and g.stats["disk_hits"] == 1
     # A damaged cache entry is dropped and refetched, never served.
-    c = ChunkCache(cache_dir)
-    c._cache.set(c._key(fps[0]), b"x" * 100)
+    seg_dir = os.path.join(cache_dir, "segments-v1")
+    for name in os.listdir(seg_dir):
+        if name.endswith(".seg"):
+            with open(os.path.join(seg_dir, name), "r+b") as seg:
+                seg.write(b"x" * 100)
     h = Fetcher(store, ChunkCache(cache_dir, 1 << 26))
     assert run(h, lambda: h.get(fps[0])) == pub.chunks[fps[0]]
     assert store.chunks.gets == [fps[0].name]

@@ -1,28 +1,89 @@
-"""Local chunk cache: a bounded diskcache keyed by chunk fingerprint.
+"""Local chunk cache: verified chunk bytes in append-only segment files,
+keyed by fingerprint, bounded in size, kept across remounts.
 
-Chunks are content-addressed, so one cache directory is shared by every
-database and every mount, and survives remounts. Only chunks that were
-verified against their fingerprint are stored; they are verified again when
-read back (UMASH in C, cheap next to a disk read), so a damaged cache file is
-dropped and refetched, never served.
+Chunks are content-addressed, so one cache directory serves every database
+of a mount, and every mount that names it (several processes may share one
+directory). Only chunks that were verified against their fingerprint are
+stored, and they are verified again when read back (UMASH in C, a few
+microseconds per chunk), so a damaged, torn or foreign record is a miss,
+never wrong bytes.
 
-Everything here blocks: the fetcher calls it from worker threads.
+Why segments and not one file per chunk (or the ``diskcache`` library,
+which this module replaced): a scan that hits the cache after the page cache
+was dropped reads the chunks in about the order it fetched them, and chunks
+appended back to back in one file are then read with the kernel's readahead
+at the disk's sequential speed. One file per chunk costs an open and a
+metadata lookup per 64 KiB and measured 4-5 times slower (docs/READER.md).
+
+Layout of the directory (``FORMAT_DIR``)::
+
+    <name>.seg   chunk bytes, appended back to back
+    <name>.idx   one RECORD per chunk of the segment, appended after its bytes
+
+``<name>`` is the creation time in nanoseconds (16 hex digits), the pid and
+a random tag, so names sort by age and no two writers share a segment. A
+process only appends to segments it created; it reads everybody's.
+
+Crash safety without fsync: a record is appended only after its bytes were
+written, carries a check word, and names a range inside the segment; a torn
+or zero-filled record fails the check and is skipped, and bytes that did not
+reach the disk fail the fingerprint. A crash loses cached chunks, nothing
+else.
+
+Eviction: the oldest segments are deleted first (least recently stored,
+like before: a least-recently-used order would make every read a write),
+before a new segment starts, so the bytes on disk stay within
+``size_limit`` (bar races between processes).
+
+Everything here blocks: the fetcher calls it from worker threads. All
+methods are thread-safe.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import secrets
+import struct
 import threading
+import time
+import zlib
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
-import diskcache
-
-from verneuil_fuse.format import Fprint, fingerprint
+from verneuil_fuse.format import CHUNK_SIZE, Fprint, fingerprint
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = "/var/cache/verneuil"
 DEFAULT_CACHE_SIZE = 2 << 30  # 2 GiB
+
+# The segment files live in a versioned subdirectory, so a future layout can
+# sit beside this one and an old one is never misread.
+FORMAT_DIR = "segments-v1"
+SEG_SUFFIX = ".seg"
+IDX_SUFFIX = ".idx"
+
+# Largest segment: the unit of eviction. 64 MiB keeps the number of files
+# (and open descriptors) small, 32 for the default 2 GiB, while one eviction
+# frees a small share of the cache.
+MAX_SEGMENT_BYTES = 64 << 20
+# At least 16 segments per cache, so that evicting the oldest one drops at
+# most a sixteenth of a small cache ...
+SEGMENTS_PER_CACHE = 16
+# ... but no segment smaller than 1 MiB (16 chunks), or tiny caches would
+# churn files.
+MIN_SEGMENT_BYTES = 1 << 20
+
+# fp.major, fp.minor, offset, length, check (crc32 of the first 28 bytes,
+# salted so that an all-zero record, left by a crash, never passes).
+RECORD = struct.Struct("<QQQII")
+_CHECK_SALT = 0x56434331  # "VCC1"
+
+# How often a miss may rescan the directory for segments that other
+# processes sharing the directory wrote or deleted. A rescan is a listdir and
+# one fstat per segment; once a second costs nothing next to a GET.
+RESCAN_INTERVAL_S = 1.0
 
 
 def default_cache_dir() -> str:
@@ -32,45 +93,365 @@ def default_cache_dir() -> str:
     return os.path.join(base, "verneuil")
 
 
+def _check(major: int, minor: int, offset: int, length: int) -> int:
+    return zlib.crc32(struct.pack("<QQQI", major, minor, offset, length)) ^ _CHECK_SALT
+
+
+def encode_record(fp: Fprint, offset: int, length: int) -> bytes:
+    return RECORD.pack(fp.major, fp.minor, offset, length, _check(fp.major, fp.minor, offset, length))
+
+
+@dataclass(eq=False)
+class _Segment:
+    name: str
+    seg_path: str
+    idx_path: str
+    own: bool = False  # created by this process: the only ones it appends to
+    fd: int = -1  # O_RDONLY (others') or O_RDWR (own), opened lazily
+    idx_fd: int = -1  # own segments only (O_APPEND)
+    data_bytes: int = 0  # size of .seg (own: bytes reserved so far)
+    idx_bytes: int = 0  # bytes of .idx consumed (others') or written (own)
+    readers: int = 0  # preads under way
+    dead: bool = False  # deleted: close the fd when the last reader leaves
+    fps: list = field(default_factory=list)  # every fingerprint recorded here
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.data_bytes + self.idx_bytes
+
+
 class ChunkCache:
     """Verified chunk bytes on local disk, bounded by ``size_limit`` bytes."""
 
     def __init__(self, directory: str, size_limit: int = DEFAULT_CACHE_SIZE):
-        os.makedirs(directory, exist_ok=True)
         self.directory = directory
-        self._cache = diskcache.Cache(
-            directory,
-            size_limit=size_limit,
-            eviction_policy="least-recently-stored",
-            # Chunk files are written whole; sqlite only holds the index.
-            disk_min_file_size=0,
-        )
+        self.size_limit = size_limit
+        self.segment_bytes = max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, size_limit // SEGMENTS_PER_CACHE))
+        self._dir = os.path.join(directory, FORMAT_DIR)
+        os.makedirs(self._dir, exist_ok=True)
+        if not os.access(self._dir, os.R_OK | os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable", self._dir)
+        self._lock = threading.Lock()
+        self._segments: dict[str, _Segment] = {}
+        self._index: dict[Fprint, tuple[_Segment, int, int]] = {}
+        self._active: _Segment | None = None
+        self._last_rescan = 0.0
+        self._closed = False
+        self.stats = dict.fromkeys(("hits", "misses", "corrupt", "puts", "evicted_segments", "rescans"), 0)
+        with self._lock:
+            self._rescan_locked()
+            self._evict_locked(0)
 
-    @staticmethod
-    def _key(fp: Fprint) -> str:
-        return "%016x%016x" % (fp.major, fp.minor)
-
+    # ----------------------------------------------------------------- reads
     def get(self, fp: Fprint) -> bytes | None:
-        data = self._cache.get(self._key(fp))
-        if data is None:
+        """The chunk's verified bytes, or None (not cached, or damaged)."""
+        with self._lock:
+            loc = self._index.get(fp)
+            if loc is None and self._rescan_due():
+                self._rescan_locked()
+                loc = self._index.get(fp)
+            if loc is None:
+                self.stats["misses"] += 1
+                return None
+            seg, off, length = loc
+            try:
+                fd = self._read_fd_locked(seg)
+            except OSError as e:
+                log.warning("cache segment %s is unreadable (%s): dropping it", seg.name, e)
+                self._drop_locked(seg)
+                self.stats["misses"] += 1
+                return None
+            seg.readers += 1
+        try:
+            data = os.pread(fd, length, off)
+        except OSError as e:
+            log.warning("cannot read chunk %016x/%016x from cache segment %s: %s", fp.major, fp.minor, seg.name, e)
+            data = b""
+        finally:
+            with self._lock:
+                seg.readers -= 1
+                if seg.dead and seg.readers == 0:
+                    self._close_fds(seg)
+        if len(data) != length or fingerprint(data) != fp:
+            log.warning("dropping damaged cache entry for chunk %016x/%016x (segment %s)", fp.major, fp.minor, seg.name)
+            with self._lock:
+                self.stats["corrupt"] += 1
+                self.stats["misses"] += 1
+                if self._index.get(fp) == loc:
+                    del self._index[fp]
             return None
-        if fingerprint(data) != fp:
-            log.warning("dropping corrupt cache entry for chunk %016x/%016x", *fp)
-            self._cache.delete(self._key(fp))
-            return None
+        with self._lock:
+            self.stats["hits"] += 1
         return data
 
+    def get_nowait(self, fp: Fprint) -> bytes | None:
+        """The chunk's verified bytes if they are cached *and* in the kernel's
+        page cache (``RWF_NOWAIT``: no disk I/O, so the trio thread may call
+        it), else None. Never rescans, never blocks on the disk."""
+        with self._lock:
+            loc = self._index.get(fp)
+            if loc is None or loc[0].fd < 0:
+                return None
+            seg, off, length = loc
+            fd = seg.fd
+            seg.readers += 1
+        buf = bytearray(length)
+        try:
+            n = os.preadv(fd, [buf], off, os.RWF_NOWAIT)
+        except OSError:  # EAGAIN (would block), EOPNOTSUPP, ...
+            n = -1
+        finally:
+            with self._lock:
+                seg.readers -= 1
+                if seg.dead and seg.readers == 0:
+                    self._close_fds(seg)
+        if n != length:
+            return None  # let a worker thread do the blocking read (and checks)
+        data = bytes(buf)
+        if fingerprint(data) != fp:
+            return None  # get() in a thread will drop it and log
+        with self._lock:
+            self.stats["hits"] += 1
+        return data
+
+    def has(self, fp: Fprint) -> bool:
+        """Whether the index names this chunk (in memory: no I/O, no rescan)."""
+        return fp in self._index
+
+    def advise(self, fps) -> int:
+        """Ask the kernel to read these cached chunks into its page cache in
+        the background (``POSIX_FADV_WILLNEED`` on coalesced ranges), so that
+        `get_nowait` finds them. Returns the number of ranges advised."""
+        spans: dict[_Segment, list[tuple[int, int]]] = {}
+        with self._lock:
+            for fp in fps:
+                loc = self._index.get(fp)
+                if loc is not None:
+                    spans.setdefault(loc[0], []).append((loc[1], loc[1] + loc[2]))
+            for seg in spans:
+                try:
+                    self._read_fd_locked(seg)
+                    seg.readers += 1
+                except OSError:
+                    spans[seg] = []
+        advised = 0
+        for seg, ranges in spans.items():
+            if not ranges:
+                continue
+            try:
+                ranges.sort()
+                start, end = ranges[0]
+                for a, b in ranges[1:] + [(-1, -1)]:
+                    if a == end:
+                        end = b
+                        continue
+                    os.posix_fadvise(seg.fd, start, end - start, os.POSIX_FADV_WILLNEED)
+                    advised += 1
+                    start, end = a, b
+            except OSError as e:
+                log.debug("fadvise on cache segment %s: %s", seg.name, e)
+            finally:
+                with self._lock:
+                    seg.readers -= 1
+                    if seg.dead and seg.readers == 0:
+                        self._close_fds(seg)
+        return advised
+
     def contains(self, fp: Fprint) -> bool:
-        return self._key(fp) in self._cache
+        with self._lock:
+            if fp not in self._index and self._rescan_due():
+                self._rescan_locked()
+            return fp in self._index
 
+    # ---------------------------------------------------------------- writes
     def put(self, fp: Fprint, data: bytes) -> None:
-        self._cache.set(self._key(fp), data)
+        """Append a chunk whose bytes were verified against ``fp``."""
+        length = len(data)
+        if not 0 < length <= min(CHUNK_SIZE, self.segment_bytes):
+            return
+        with self._lock:
+            if self._closed or fp in self._index:
+                return
+            seg = self._active
+            if seg is not None and (seg.dead or seg.data_bytes + length > self.segment_bytes or self._unlinked(seg)):
+                self._seal_locked(seg)
+                seg = None
+            if seg is None:
+                self._evict_locked(self.segment_bytes)
+                seg = self._active = self._create_locked()
+            off = seg.data_bytes
+            seg.data_bytes += length
+            seg.readers += 1  # keeps the descriptors open while we write
+            fd, idx_fd = seg.fd, seg.idx_fd
+        ok = False
+        try:
+            os.pwrite(fd, data, off)
+            os.write(idx_fd, encode_record(fp, off, length))
+            ok = True
+        except OSError as e:
+            log.warning("cannot write chunk %016x/%016x to the cache: %s", fp.major, fp.minor, e)
+        with self._lock:
+            seg.readers -= 1
+            if ok and not seg.dead:
+                seg.idx_bytes += RECORD.size
+                seg.fps.append(fp)
+                self._index[fp] = (seg, off, length)
+                self.stats["puts"] += 1
+            elif not ok and seg is self._active:
+                self._seal_locked(seg)  # a failed write: start afresh next time
+            if seg.dead and seg.readers == 0:
+                self._close_fds(seg)
+            elif seg is not self._active and seg.readers == 0 and seg.idx_fd >= 0:
+                os.close(seg.idx_fd)  # sealed while we wrote
+                seg.idx_fd = -1
 
+    # ------------------------------------------------------------ accounting
     def volume(self) -> int:
-        return self._cache.volume()
+        """Bytes on disk, as far as this process knows."""
+        with self._lock:
+            return sum(s.disk_bytes for s in self._segments.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
 
     def close(self) -> None:
-        self._cache.close()
+        with self._lock:
+            self._closed = True
+            for seg in self._segments.values():
+                seg.dead = True
+                if seg.readers == 0:
+                    self._close_fds(seg)
+            self._segments.clear()
+            self._index.clear()
+            self._active = None
+
+    # ------------------------------------------------------------- internals
+    def _rescan_due(self) -> bool:
+        return not self._closed and time.monotonic() - self._last_rescan >= RESCAN_INTERVAL_S
+
+    def _rescan_locked(self) -> None:
+        """Learn the segments other processes created, grew or deleted."""
+        self._last_rescan = time.monotonic()
+        self.stats["rescans"] += 1
+        try:
+            names = {n[: -len(SEG_SUFFIX)] for n in os.listdir(self._dir) if n.endswith(SEG_SUFFIX)}
+        except OSError as e:
+            log.warning("cannot list the cache directory %s: %s", self._dir, e)
+            return
+        for name in list(self._segments):
+            if name not in names:  # deleted by another process sharing the directory
+                self._drop_locked(self._segments[name])
+        for name in sorted(names):
+            seg = self._segments.get(name)
+            if seg is None:
+                seg = self._segments[name] = _Segment(
+                    name, os.path.join(self._dir, name + SEG_SUFFIX), os.path.join(self._dir, name + IDX_SUFFIX)
+                )
+            if not seg.own:
+                self._load_index_locked(seg)
+
+    def _load_index_locked(self, seg: _Segment) -> None:
+        try:
+            with open(seg.idx_path, "rb") as f:
+                f.seek(seg.idx_bytes)
+                tail = f.read()
+            # After the index: every record read names bytes written before it.
+            data_bytes = os.stat(seg.seg_path).st_size
+        except FileNotFoundError:
+            return  # an index not written yet, or a segment deleted meanwhile
+        except OSError as e:
+            log.warning("cannot read cache index %s: %s", seg.idx_path, e)
+            return
+        seg.data_bytes = data_bytes
+        usable = len(tail) - len(tail) % RECORD.size
+        for major, minor, off, length, check in RECORD.iter_unpack(tail[:usable]):
+            if check != _check(major, minor, off, length) or not 0 < length <= CHUNK_SIZE or off + length > data_bytes:
+                continue  # torn, zero-filled or foreign: skip it
+            fp = Fprint(major, minor)
+            seg.fps.append(fp)
+            self._index[fp] = (seg, off, length)
+        # A partial record at the end may still be completed by its writer.
+        seg.idx_bytes += usable
+
+    def _create_locked(self) -> _Segment:
+        name = "%016x-%d-%s" % (time.time_ns(), os.getpid(), secrets.token_hex(4))
+        seg = _Segment(name, os.path.join(self._dir, name + SEG_SUFFIX), os.path.join(self._dir, name + IDX_SUFFIX), own=True)
+        seg.fd = os.open(seg.seg_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            seg.idx_fd = os.open(seg.idx_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError:
+            os.close(seg.fd)
+            os.unlink(seg.seg_path)
+            raise
+        self._segments[name] = seg
+        return seg
+
+    def _seal_locked(self, seg: _Segment) -> None:
+        """Stop appending to our active segment (it stays readable)."""
+        if seg is self._active:
+            self._active = None
+        if seg.idx_fd >= 0 and seg.readers == 0:
+            os.close(seg.idx_fd)
+            seg.idx_fd = -1
+
+    @staticmethod
+    def _unlinked(seg: _Segment) -> bool:
+        """Another process sharing the directory evicted our segment."""
+        try:
+            return os.fstat(seg.fd).st_nlink == 0
+        except OSError:
+            return True
+
+    def _read_fd_locked(self, seg: _Segment) -> int:
+        if seg.fd < 0:
+            seg.fd = os.open(seg.seg_path, os.O_RDONLY | os.O_CLOEXEC)
+        return seg.fd
+
+    def _evict_locked(self, room: int) -> None:
+        """Delete the oldest segments until ``room`` more bytes fit."""
+        total = sum(s.disk_bytes for s in self._segments.values())
+        for name in sorted(self._segments):
+            if total + room <= self.size_limit:
+                break
+            seg = self._segments[name]
+            if seg is self._active:
+                continue
+            for path in (seg.seg_path, seg.idx_path):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.warning("cannot evict cache file %s: %s", path, e)
+            total -= seg.disk_bytes
+            self.stats["evicted_segments"] += 1
+            log.debug("evicted cache segment %s (%d chunks)", seg.name, len(seg.fps))
+            self._drop_locked(seg)
+
+    def _drop_locked(self, seg: _Segment) -> None:
+        self._segments.pop(seg.name, None)
+        if seg is self._active:
+            self._active = None
+        for fp in seg.fps:
+            loc = self._index.get(fp)
+            if loc is not None and loc[0] is seg:
+                del self._index[fp]
+        seg.fps = []
+        seg.dead = True
+        if seg.readers == 0:
+            self._close_fds(seg)
+
+    @staticmethod
+    def _close_fds(seg: _Segment) -> None:
+        for attr in ("fd", "idx_fd"):
+            fd = getattr(seg, attr)
+            if fd >= 0:
+                setattr(seg, attr, -1)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 class MemoryLRU:

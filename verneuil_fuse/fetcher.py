@@ -1,7 +1,7 @@
 """Chunk fetching for the reader: single-flight, verified, cached, prefetched.
 
 This is the one module of the reader that calls ``trio.to_thread``; every
-blocking call (boto3 or the local store, diskcache, zstd) runs in a worker
+blocking call (boto3 or the local store, the disk cache, zstd) runs in a worker
 thread behind a ``trio.CapacityLimiter``, so pyfuse3's request tasks never
 block.
 
@@ -78,7 +78,9 @@ class Fetcher:
         self.prefetch_slots = trio.CapacityLimiter(max(1, min(prefetch_concurrency, concurrency)))
         # Threads, counting abandoned (timed-out) ones, so they stay bounded too.
         self.thread_limiter = trio.CapacityLimiter(concurrency * 2)
-        self.cache_limiter = trio.CapacityLimiter(4)
+        # Disk cache reads that may block (not in the page cache) and writes.
+        # 8: enough to keep a local disk's queue busy on 2 cores.
+        self.cache_limiter = trio.CapacityLimiter(8)
         self.meta_limiter = trio.CapacityLimiter(4)
         self._inflight: dict[Fprint, _Flight] = {}
         self._prefetch_flights = 0
@@ -100,7 +102,9 @@ class Fetcher:
                 "failed",  # chunks given up on (EIO)
                 "prefetch_requested",
                 "prefetch_started",
-                "prefetch_skipped",  # already cached or under way
+                "prefetch_skipped",  # in memory or under way
+                "prefetch_advised",  # in the disk cache: kernel readahead asked
+                "disk_hits_inline",  # served from the page cache without a thread
                 "prefetch_dropped",  # too many prefetches under way
                 "prefetch_fetched",  # downloaded by a prefetch
                 "prefetch_hits",  # demand served by a prefetched chunk
@@ -143,12 +147,37 @@ class Fetcher:
             self._prefetched_unused.discard(fp)
             self.stats["prefetch_hits"] += 1
 
-    async def get(self, fp: Fprint) -> bytes:
-        """The verified bytes of one chunk (demand read)."""
-        self.stats["requests"] += 1
+    def _ready(self, fp: Fprint) -> bytes | None:
+        """Bytes that need no waiting: in memory, or in the disk cache *and*
+        the kernel's page cache (a non-blocking read, see `ChunkCache.get_nowait`)."""
         data = self.mem.get(fp)
         if data is not None:
             self.stats["mem_hits"] += 1
+            return data
+        cache = self.cache
+        if cache is not None and fp not in self._inflight and cache.has(fp):
+            data = cache.get_nowait(fp)
+            if data is not None:
+                self.stats["disk_hits"] += 1
+                self.stats["disk_hits_inline"] += 1
+                self.mem.put(fp, data)
+                return data
+        return None
+
+    def get_nowait(self, fp: Fprint) -> bytes | None:
+        """A demand read that never waits: the bytes, or None when `get`
+        must be awaited."""
+        data = self._ready(fp)
+        if data is not None:
+            self.stats["requests"] += 1
+            self._used(fp)
+        return data
+
+    async def get(self, fp: Fprint) -> bytes:
+        """The verified bytes of one chunk (demand read)."""
+        self.stats["requests"] += 1
+        data = self._ready(fp)
+        if data is not None:
             self._used(fp)
             return data
         flight = self._inflight.get(fp)
@@ -170,13 +199,19 @@ class Fetcher:
 
     def prefetch(self, fps: Iterable[Fprint]) -> int:
         """Start fetching chunks in the background, skipping those in memory
-        or under way; a chunk in the disk cache is loaded from there into
-        memory (no GET). Returns how many flights were started."""
+        or under way; for chunks in the disk cache, ask the kernel to read
+        them into its page cache instead (no GET, no thread per chunk).
+        Returns how many flights (GETs) were started."""
         started = 0
+        advise: list[Fprint] = []
+        cache = self.cache
         for fp in fps:
             self.stats["prefetch_requested"] += 1
             if fp in self.mem or fp in self._inflight:
                 self.stats["prefetch_skipped"] += 1
+                continue
+            if cache is not None and cache.has(fp):
+                advise.append(fp)
                 continue
             if self._prefetch_flights >= self.max_prefetch_flights:
                 self.stats["prefetch_dropped"] += 1
@@ -184,7 +219,20 @@ class Fetcher:
             self._start(fp, prefetch=True)
             started += 1
         self.stats["prefetch_started"] += started
+        if advise:
+            self.stats["prefetch_advised"] += len(advise)
+            assert self._nursery is not None
+            self._nursery.start_soon(self._advise, advise)
         return started
+
+    async def _advise(self, fps: list[Fprint]) -> None:
+        """Chunks already in the disk cache: have the kernel read them ahead
+        (one thread hop for the batch), so demand finds them in its page cache."""
+        assert self.cache is not None
+        try:
+            await trio.to_thread.run_sync(self.cache.advise, fps, limiter=self.cache_limiter)
+        except Exception:  # noqa: BLE001 - a hint
+            log.debug("cannot advise the cache", exc_info=True)
 
     async def hydrate(self, fps: Iterable[Fprint], parallel: int | None = None) -> int:
         """Make sure every chunk is in the disk cache (eager hydration).

@@ -117,14 +117,25 @@ class Replica:
         fp = self.manifest.chunks[index]
         return fp in self._local or fp == ZERO_CHUNK_FPRINT
 
-    async def chunk(self, index: int) -> bytes:
+    def chunk_nowait(self, index: int) -> bytes | None:
+        """The chunk if it needs no waiting (bundled, zero, in memory, or in
+        the disk cache and the page cache), else None."""
         fp = self.manifest.chunks[index]
         data = self._local.get(fp)
         if data is not None:
             return data
         if fp == ZERO_CHUNK_FPRINT:
             return _ZERO_CHUNK
-        data = await self.fetcher.get(fp)
+        data = self.fetcher.get_nowait(fp)
+        if data is not None and self._btree is not None and index not in self._btree.parsed:
+            self._learn(index, data)
+        return data
+
+    async def chunk(self, index: int) -> bytes:
+        data = self.chunk_nowait(index)
+        if data is not None:
+            return data
+        data = await self.fetcher.get(self.manifest.chunks[index])
         if self._btree is not None and index not in self._btree.parsed:
             self._learn(index, data)
         return data
@@ -139,26 +150,32 @@ class Replica:
         self.reads += 1
         self.read_bytes += end - off
         self._hint(off, end, first, last, cursor)
-        if first == last:
-            data = await self.chunk(first)
-            base = first * CHUNK_SIZE
-            return data[off - base : end - base]
-        parts: list[bytes] = [b""] * (last - first + 1)
-        errors: list[FetchError] = []
-
-        async def one(i: int) -> None:
-            try:
-                parts[i - first] = await self.chunk(i)
-            except FetchError as e:
-                errors.append(e)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(first, last + 1):
-                nursery.start_soon(one, i)
-        if errors:
-            raise errors[0]
-        blob = b"".join(parts)
         base = first * CHUNK_SIZE
+        if first == last:
+            data = self.chunk_nowait(first)
+            if data is None:
+                data = await self.chunk(first)
+            return data[off - base : end - base]
+        # What is ready is taken at once; the rest is awaited in parallel.
+        parts: list[bytes | None] = [self.chunk_nowait(i) for i in range(first, last + 1)]
+        missing = [i for i, part in enumerate(parts) if part is None]
+        if len(missing) == 1:
+            parts[missing[0]] = await self.chunk(first + missing[0])
+        elif missing:
+            errors: list[FetchError] = []
+
+            async def one(k: int) -> None:
+                try:
+                    parts[k] = await self.chunk(first + k)
+                except FetchError as e:
+                    errors.append(e)
+
+            async with trio.open_nursery() as nursery:
+                for k in missing:
+                    nursery.start_soon(one, k)
+            if errors:
+                raise errors[0]
+        blob = b"".join(parts)  # type: ignore[arg-type]
         return blob[off - base : end - base]
 
     # --------------------------------------------------------------- prefetch

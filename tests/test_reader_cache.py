@@ -1,0 +1,186 @@
+"""The disk chunk cache (segment files): persistence, verification, crash
+leftovers, the size bound, and several processes sharing one directory."""
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import pytest
+
+from verneuil_fuse import cache as cache_mod
+from verneuil_fuse.cache import RECORD, ChunkCache, encode_record
+from verneuil_fuse.format import CHUNK_SIZE, fingerprint
+
+
+def chunks(n: int, seed: int = 0, size: int = CHUNK_SIZE):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        data = rng.randbytes(size)
+        out.append((fingerprint(data), data))
+    return out
+
+
+def segdir(d) -> str:
+    return os.path.join(str(d), cache_mod.FORMAT_DIR)
+
+
+def files(d, suffix):
+    return sorted(n for n in os.listdir(segdir(d)) if n.endswith(suffix))
+
+
+def test_put_get_and_persistence(tmp_path):
+    items = chunks(20) + chunks(3, seed=1, size=1000)
+    c = ChunkCache(str(tmp_path), 1 << 30)
+    assert c.get(items[0][0]) is None and not c.contains(items[0][0])
+    for fp, data in items:
+        c.put(fp, data)
+        c.put(fp, data)  # a second put of the same chunk is a no-op
+    assert all(c.get(fp) == data for fp, data in items)
+    assert len(c) == len(items)
+    assert c.volume() == sum(len(d) for _, d in items) + len(items) * RECORD.size
+    c.close()
+    # A remount: the index is rebuilt from the .idx files; same bytes.
+    d = ChunkCache(str(tmp_path), 1 << 30)
+    assert len(d) == len(items) and all(d.get(fp) == data for fp, data in items)
+    assert len(files(tmp_path, ".seg")) == 1
+    d.close()
+
+
+def test_damaged_bytes_are_a_miss_never_served(tmp_path):
+    (fp, data), (fp2, data2) = chunks(2)
+    c = ChunkCache(str(tmp_path), 1 << 30)
+    c.put(fp, data)
+    c.put(fp2, data2)
+    c.close()
+    seg = os.path.join(segdir(tmp_path), files(tmp_path, ".seg")[0])
+    with open(seg, "r+b") as f:  # flip one byte of the first chunk
+        f.seek(1234)
+        b = f.read(1)
+        f.seek(1234)
+        f.write(bytes([b[0] ^ 1]))
+    d = ChunkCache(str(tmp_path), 1 << 30)
+    assert d.get(fp) is None and d.stats["corrupt"] == 1
+    assert not d.contains(fp)  # dropped from the index
+    assert d.get(fp2) == data2
+    d.put(fp, data)  # refetched bytes are appended and served
+    assert d.get(fp) == data
+    d.close()
+    e = ChunkCache(str(tmp_path), 1 << 30)  # the later record wins on replay
+    assert e.get(fp) == data
+    e.close()
+
+
+def test_crash_leftovers_are_skipped(tmp_path):
+    items = chunks(4)
+    c = ChunkCache(str(tmp_path), 1 << 30)
+    for fp, data in items[:3]:
+        c.put(fp, data)
+    c.close()
+    idx = os.path.join(segdir(tmp_path), files(tmp_path, ".idx")[0])
+    seg = idx[: -len(".idx")] + ".seg"
+    with open(idx, "ab") as f:
+        f.write(bytes(RECORD.size))  # a zero-filled record (delayed allocation)
+        # A well-formed record whose bytes never reached the disk ...
+        f.write(encode_record(items[3][0], os.path.getsize(seg), CHUNK_SIZE))
+        # ... one pointing inside the segment at the wrong bytes ...
+        f.write(encode_record(items[3][0], 0, CHUNK_SIZE))
+        f.write(encode_record(items[0][0], 7, 100)[:-1] + b"\x00")  # a bad check word
+        f.write(b"\x01" * 10)  # and a torn tail
+    d = ChunkCache(str(tmp_path), 1 << 30)
+    assert all(d.get(fp) == data for fp, data in items[:3])
+    assert d.get(items[3][0]) is None  # the wrong bytes failed the fingerprint
+    d.put(*items[3])
+    assert d.get(items[3][0]) == items[3][1]
+    d.close()
+
+
+def test_size_bound_evicts_oldest_segments(tmp_path):
+    limit = 4 << 20  # 4 MiB: segments of 1 MiB (the minimum)
+    c = ChunkCache(str(tmp_path), limit)
+    assert c.segment_bytes == cache_mod.MIN_SEGMENT_BYTES
+    items = chunks(200)  # 12.5 MiB
+    for i, (fp, data) in enumerate(items):
+        c.put(fp, data)
+        assert c.volume() <= limit, i
+        on_disk = sum(os.path.getsize(os.path.join(segdir(tmp_path), n)) for n in os.listdir(segdir(tmp_path)))
+        assert on_disk <= limit, i
+    # The newest chunks are kept, the oldest were evicted whole segments at a time.
+    assert c.get(items[-1][0]) == items[-1][1]
+    assert c.get(items[0][0]) is None
+    kept = [i for i, (fp, _) in enumerate(items) if c.contains(fp)]
+    assert kept == list(range(kept[0], len(items))) and len(kept) >= 40
+    assert c.stats["evicted_segments"] > 0
+    c.close()
+    d = ChunkCache(str(tmp_path), limit)
+    assert len(d) == len(kept)
+    d.close()
+    # Reopening with a smaller limit trims at once.
+    e = ChunkCache(str(tmp_path), 2 << 20)
+    assert e.volume() <= 2 << 20 and 0 < len(e) < len(kept)
+    e.close()
+
+
+def test_two_processes_share_one_directory(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_mod, "RESCAN_INTERVAL_S", 0.0)
+    a = ChunkCache(str(tmp_path), 1 << 30)
+    b = ChunkCache(str(tmp_path), 1 << 30)
+    items = chunks(6)
+    for fp, data in items[:3]:
+        a.put(fp, data)
+    for fp, data in items[3:]:
+        b.put(fp, data)
+    # Each appends to its own segment and reads the other's.
+    assert len(files(tmp_path, ".seg")) == 2
+    assert all(a.get(fp) == data and b.get(fp) == data for fp, data in items)
+    # b's segment is deleted (as another process's eviction would): a drops it.
+    (b_seg,) = [s.name for s in b._segments.values() if s.own]
+    for suffix in (".seg", ".idx"):
+        os.unlink(os.path.join(segdir(tmp_path), b_seg + suffix))
+    # Until a miss rescans the directory, a still serves the (verified) bytes
+    # from its open descriptor; the first miss drops the segment.
+    assert a.get(chunks(1, seed=8)[0][0]) is None
+    assert a.get(items[4][0]) is None and a.get(items[0][0]) == items[0][1]
+    # b notices its active segment is gone and starts a new one.
+    extra = chunks(1, seed=9)[0]
+    assert b.get(extra[0]) is None  # a miss: b rescans
+    assert b.get(items[4][0]) is None
+    b.put(*extra)
+    assert a.get(extra[0]) == extra[1]
+    a.close()
+    b.close()
+
+
+def test_concurrent_puts_and_gets(tmp_path):
+    c = ChunkCache(str(tmp_path), 8 << 20)
+    items = chunks(300, seed=3)
+    errors = []
+
+    def worker(k):
+        try:
+            for fp, data in items[k::4]:
+                c.put(fp, data)
+                got = c.get(fp)
+                if got is not None and got != data:
+                    errors.append("wrong bytes")
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert c.volume() <= 8 << 20
+    hits = [fp for fp, data in items if c.get(fp) == data]
+    assert len(hits) == len(c) > 50
+    c.close()
+
+
+def test_unusable_directory_is_an_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError):
+        ChunkCache(str(blocker), 1 << 20)
