@@ -65,16 +65,13 @@ def interior_children(page: bytes, page_no: int, max_page: int) -> list[int] | N
     ptrs = hdr + 12
     if ncells == 0 or ptrs + 2 * ncells > len(page) or not 1 <= right <= max_page:
         return None
-    children = []
-    limit = len(page) - 4
-    for i in range(ncells):
-        (cell,) = _U16.unpack_from(page, ptrs + 2 * i)
-        if cell < ptrs + 2 * ncells or cell > limit:
-            return None
-        (child,) = _U32.unpack_from(page, cell)
-        if not 1 <= child <= max_page:
-            return None
-        children.append(child)
+    cells = struct.unpack_from(">%dH" % ncells, page, ptrs)
+    if min(cells) < ptrs + 2 * ncells or max(cells) > len(page) - 4:
+        return None
+    unpack = _U32.unpack_from
+    children = [unpack(page, cell)[0] for cell in cells]
+    if min(children) < 1 or max(children) > max_page:
+        return None
     children.append(right)
     return children
 
@@ -85,12 +82,13 @@ def interior_pages(
     """(page number, children) for every interior b-tree page wholly inside
     ``data``, which starts at file offset ``first_offset``."""
     start = -first_offset % page_size  # first page boundary inside data
+    view = memoryview(data)  # pages are parsed in place, not copied
     for off in range(start, len(data) - page_size + 1, page_size):
         page_no = (first_offset + off) // page_size + 1
         # Cheap pre-check on the type byte before slicing the page.
         kind = data[off + (100 if page_no == 1 else 0)]
         if kind != INTERIOR_TABLE and kind != INTERIOR_INDEX:
             continue
-        children = interior_children(data[off : off + page_size], page_no, max_page)
+        children = interior_children(view[off : off + page_size], page_no, max_page)
         if children is not None:
             yield page_no, children

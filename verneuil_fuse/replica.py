@@ -175,8 +175,11 @@ class Replica:
                     nursery.start_soon(one, k)
             if errors:
                 raise errors[0]
-        blob = b"".join(parts)  # type: ignore[arg-type]
-        return blob[off - base : end - base]
+        # One copy: trim the first and last chunks through memoryviews.
+        views = [memoryview(p) for p in parts]  # type: ignore[arg-type]
+        views[0] = views[0][off - base :]
+        views[-1] = views[-1][: end - last * CHUNK_SIZE]
+        return b"".join(views)
 
     # --------------------------------------------------------------- prefetch
     def _remote(self, indices) -> list[Fprint]:
