@@ -1,6 +1,6 @@
 """A fault-injecting HTTP proxy for tests: 127.0.0.1 in front of moto's S3 server.
 
-Unlike the byte pump of `s3server._Proxy`, this proxy understands HTTP/1.1
+Unlike the byte pump of `s3server.Proxy`, this proxy understands HTTP/1.1
 framing (Content-Length and chunked bodies, `Expect: 100-continue`,
 keep-alive towards the client), so it can count requests and break each one
 in a chosen way:

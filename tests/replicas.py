@@ -156,36 +156,41 @@ def stop_pid(pid: int, timeout: float = 10.0) -> None:
             continue
 
 
-class Mount:
-    """``verneuil SOURCE MNT -f -o OPTIONS`` in a subprocess (the foreground
-    mode, so the test knows the PID); `stop` always unmounts (lazily) and
-    ends the process."""
+class FuseProcess:
+    """A FUSE daemon run in the foreground in a subprocess (so the caller
+    knows its PID); ready once the mount point is in /proc/self/mountinfo;
+    `stop` always unmounts (lazily) and ends that PID, every wait bounded.
+    Subclasses give the `command` (and the `env`, if not ours)."""
 
-    def __init__(self, source: str, mountpoint: str, options: str = "", log_path: str | None = None):
-        self.source = source
+    name = "mount"
+
+    def __init__(self, mountpoint: str, log_path: str) -> None:
         self.mountpoint = os.path.realpath(mountpoint)
-        self.options = options
-        self.log_path = log_path or mountpoint.rstrip("/") + ".log"
+        self.log_path = log_path
         self.proc = None
 
-    def start(self, timeout: float = 30.0) -> "Mount":
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> dict | None:
+        return None  # inherit ours
+
+    def start(self, timeout: float = 30.0):
         import subprocess
-        import sys
 
         os.makedirs(self.mountpoint, exist_ok=True)
-        cmd = [sys.executable, "-m", "verneuil_fuse.mount", self.source, self.mountpoint, "-f"]
-        if self.options:
-            cmd += ["-o", self.options]
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                     env=self.env())
         log.close()
         try:
-            wait_for(lambda: is_mounted(self.mountpoint) or self.proc.poll() is not None, timeout, "the mount")
+            wait_for(lambda: is_mounted(self.mountpoint) or self.proc.poll() is not None, timeout,
+                     "the %s mount" % self.name)
         except TimeoutError:
             self.stop()
             raise
         if self.proc.poll() is not None:
-            raise RuntimeError("verneuil exited with %s: %s" % (self.proc.returncode, self.log_tail()))
+            raise RuntimeError("%s exited with %s: %s" % (self.name, self.proc.returncode, self.log_tail()))
         return self
 
     def log_tail(self, size: int = 3000) -> str:
@@ -198,12 +203,6 @@ class Mount:
     def path(self, *parts: str) -> str:
         return os.path.join(self.mountpoint, *[p.lstrip("/") for p in parts])
 
-    def stats(self) -> dict:
-        import json
-
-        with open(self.path(".verneuil", "stats")) as f:
-            return json.load(f)
-
     def stop(self) -> None:
         try:
             unmount(self.mountpoint)
@@ -214,6 +213,31 @@ class Mount:
                 except Exception:  # noqa: BLE001
                     stop_pid(self.proc.pid, 5)
                     self.proc.wait(timeout=5)
+
+
+class Mount(FuseProcess):
+    """``verneuil SOURCE MNT -f -o OPTIONS``."""
+
+    name = "verneuil"
+
+    def __init__(self, source: str, mountpoint: str, options: str = "", log_path: str | None = None):
+        super().__init__(mountpoint, log_path or mountpoint.rstrip("/") + ".log")
+        self.source = source
+        self.options = options
+
+    def command(self) -> list[str]:
+        import sys
+
+        cmd = [sys.executable, "-m", "verneuil_fuse.mount", self.source, self.mountpoint, "-f"]
+        if self.options:
+            cmd += ["-o", self.options]
+        return cmd
+
+    def stats(self) -> dict:
+        import json
+
+        with open(self.path(".verneuil", "stats")) as f:
+            return json.load(f)
 
     def __enter__(self) -> "Mount":
         return self.start()

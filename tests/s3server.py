@@ -135,35 +135,81 @@ def moto_available() -> bool:
     return True
 
 
-class _Proxy:
-    """Forwards TCP connections from HOST:port to HOST:target_port.
+# Request methods the proxy recognises at the start of a request.
+_METHODS = (b"GET", b"PUT", b"HEAD", b"POST", b"DELETE")
+
+
+def classify(first: bytes) -> str | None:
+    """The counter name of a request that starts with ``first``: its method,
+    except that a GET of a bucket (a listing, path-style ``/bucket``) is
+    "LIST"; None when ``first`` does not start a request (e.g. a body sent
+    after ``100 Continue``)."""
+    parts = first.split(b"\r\n", 1)[0].split(b" ")
+    if len(parts) != 3 or parts[0] not in _METHODS or not parts[2].startswith(b"HTTP/"):
+        return None
+    if parts[0] != b"GET":
+        return parts[0].decode()
+    path = parts[1].split(b"?", 1)[0]
+    return "GET" if len([seg for seg in path.split(b"/") if seg]) >= 2 else "LIST"
+
+
+class Proxy:
+    """Forwards TCP connections from HOST:port to HOST:target_port, and
+    counts what goes through.
 
     `stop()` closes the listener and every open connection (clients then get
     "connection refused"); `start()` listens again on the same port.
     `latency` seconds are slept before forwarding each new request (the first
     client bytes after the server last spoke), about one round trip.
+    Requests are counted by `classify` and bytes by direction: `snapshot()`,
+    and `delta(before, after)` between two snapshots.
     """
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, latency: float = 0.0) -> None:
         self.target_port = target_port
         self.port = free_port()
-        self.latency = 0.0
+        self.latency = latency
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._sockets: set[socket.socket] = set()
+        self._counts: dict[str, int] = {}
+        self._bytes = {"down": 0, "up": 0}
 
     @property
     def running(self) -> bool:
         return self._listener is not None
 
+    @property
+    def endpoint(self) -> str:
+        return "http://%s:%d" % (HOST, self.port)
+
+    # -- counters ---------------------------------------------------------
+    def snapshot(self) -> dict:
+        with self._lock:
+            out = dict(self._counts)
+            out["bytes_down"] = self._bytes["down"]
+            out["bytes_up"] = self._bytes["up"]
+            return out
+
+    @staticmethod
+    def delta(before: dict, after: dict) -> dict:
+        """Counts between two snapshots: requests (all methods), GETs
+        (object GETs), LISTs, HEADs, PUTs, bytes down/up."""
+        d = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)}
+        requests = sum(v for k, v in d.items() if not k.startswith("bytes_"))
+        return {"requests": requests, "gets": d.get("GET", 0), "lists": d.get("LIST", 0),
+                "heads": d.get("HEAD", 0), "puts": d.get("PUT", 0) + d.get("POST", 0),
+                "bytes_down": d.get("bytes_down", 0), "bytes_up": d.get("bytes_up", 0)}
+
+    # -- plumbing ---------------------------------------------------------
     def start(self) -> None:
         if self._listener is not None:
             return
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((HOST, self.port))
-        listener.listen(128)
+        listener.listen(256)
         self._listener = listener
         self._accept_thread = threading.Thread(
             target=self._accept_loop, args=(listener,), name="s3-proxy-accept", daemon=True
@@ -213,6 +259,7 @@ class _Proxy:
 
     def _pump(self, conn: "_Connection", request: bool) -> None:
         src, dst = (conn.client, conn.upstream) if request else (conn.upstream, conn.client)
+        direction = "up" if request else "down"
         try:
             while True:
                 data = src.recv(PROXY_BUFFER)
@@ -221,11 +268,18 @@ class _Proxy:
                         dst.shutdown(socket.SHUT_WR)
                     break
                 if request:
-                    if conn.server_spoke and self.latency > 0:
-                        time.sleep(self.latency)
+                    if conn.server_spoke:
+                        kind = classify(data[:4096])
+                        if kind is not None:
+                            with self._lock:
+                                self._counts[kind] = self._counts.get(kind, 0) + 1
+                        if self.latency > 0:
+                            time.sleep(self.latency)
                     conn.server_spoke = False
                 else:
                     conn.server_spoke = True
+                with self._lock:
+                    self._bytes[direction] += len(data)
                 dst.sendall(data)
         except OSError:
             for sock in (src, dst):  # wakes the other direction
@@ -283,7 +337,7 @@ class S3Server:
         except BaseException:
             self._kill()
             raise
-        self._proxy = _Proxy(self._moto_port)
+        self._proxy = Proxy(self._moto_port)
         self._proxy.start()
         self._admin: Any = None
         logger.info("moto S3 at %s (proxy of %s)", self.endpoint, self.moto_endpoint)
@@ -327,6 +381,10 @@ class S3Server:
         self._proxy.latency = seconds
 
     # -- buckets and stores ---------------------------------------------
+
+    def counts(self) -> dict:
+        """The proxy's request and byte counters (`Proxy.snapshot`)."""
+        return self._proxy.snapshot()
 
     @property
     def admin(self) -> Any:

@@ -669,3 +669,21 @@ def test_env_var_unset(monkeypatch):
     monkeypatch.setenv("VERNEUIL_CONFIG", "{bad")
     with pytest.raises(ConfigError, match="VERNEUIL_CONFIG"):
         open_store()
+
+
+def test_proxy_counts_requests(s3_server):
+    """The test proxy's meter (the benchmarks count GETs with it)."""
+    from s3server import Proxy, classify
+
+    assert classify(b"GET /bucket/some/key HTTP/1.1\r\nHost: x\r\n") == "GET"
+    assert classify(b"GET /bucket?list-type=2 HTTP/1.1\r\n") == "LIST"
+    assert classify(b"PUT /bucket/key HTTP/1.1\r\n") == "PUT"
+    assert classify(b"\x28\xb5\x2f\xfd body bytes") is None
+    store = s3_server.make_store()
+    before = s3_server.counts()
+    store.chunks.put("a" * 32, b"x" * 1000)
+    assert store.chunks.get("a" * 32) == b"x" * 1000
+    assert list(store.chunks.list("")) != []
+    d = Proxy.delta(before, s3_server.counts())
+    assert d["gets"] == 1 and d["puts"] == 1 and d["lists"] >= 1
+    assert d["bytes_up"] > 1000 and d["bytes_down"] > 1000

@@ -18,7 +18,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests"))
 
-from replicas import is_mounted, stop_pid, unmount, wait_for  # noqa: E402
+from replicas import FuseProcess, wait_for  # noqa: E402
 from s3server import FAKE_ACCESS_KEY, FAKE_SECRET_KEY, REGION  # noqa: E402
 
 APT_TOOLS = {"s3fs": "s3fs", "rclone": "rclone"}
@@ -47,60 +47,18 @@ def ensure_tools(log=print) -> dict:
     return versions
 
 
-class _FuseProcess:
-    name = "?"
+class _FuseProcess(FuseProcess):
+    """A peer's mount: ready once mounted *and* the file is visible."""
 
-    def __init__(self, mountpoint: str, log_path: str) -> None:
-        self.mountpoint = os.path.realpath(mountpoint)
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-
-    def command(self) -> list[str]:
-        raise NotImplementedError
-
-    def env(self) -> dict:
-        return dict(os.environ)
-
-    def start(self, filename: str) -> "_FuseProcess":
-        os.makedirs(self.mountpoint, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
-                                     stderr=log, env=self.env())
-        log.close()
+    def start(self, filename: str) -> "_FuseProcess":  # type: ignore[override]
+        super().start(MOUNT_TIMEOUT)
         try:
-            wait_for(lambda: is_mounted(self.mountpoint) or self.proc.poll() is not None,
-                     MOUNT_TIMEOUT, "the %s mount" % self.name)
-            if self.proc.poll() is not None:
-                raise RuntimeError("%s exited with %s: %s" % (self.name, self.proc.returncode,
-                                                             self.log_tail()))
             wait_for(lambda: os.path.exists(self.path(filename)), MOUNT_TIMEOUT,
                      "%s to show %s" % (self.name, filename), interval=0.1)
         except BaseException:
             self.stop()
             raise
         return self
-
-    def path(self, name: str) -> str:
-        return os.path.join(self.mountpoint, name)
-
-    def log_tail(self, size: int = 2000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-size:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        try:
-            unmount(self.mountpoint)
-        finally:
-            if self.proc is not None:
-                try:
-                    self.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    stop_pid(self.proc.pid, 5)
-                    self.proc.wait(timeout=5)
-                self.proc = None
 
 
 class S3fsMount(_FuseProcess):
