@@ -63,7 +63,7 @@ for p in (HERE, ROOT, os.path.join(ROOT, "tests")):
         sys.path.insert(0, p)
 
 import s3server  # noqa: E402
-from benchlib import moto_ranged, peers, report  # noqa: E402
+from benchlib import drop_page_cache, moto_ranged, peers, report  # noqa: E402
 from benchlib.proxy import CountingProxy  # noqa: E402
 from replicas import Mount, unmount  # noqa: E402
 from s3server import REGION, S3Server, fake_aws_env, patched_environ  # noqa: E402
@@ -105,17 +105,6 @@ def log(msg: str) -> None:
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
-
-
-def drop_page_cache() -> bool:
-    """sync, then drop the kernel's clean page cache (root)."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
 
 
 def sqlite_ro(path: str) -> sqlite3.Connection:

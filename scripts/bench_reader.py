@@ -36,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
+from benchlib import drop_page_cache  # noqa: E402
 from replicas import HOST, Mount  # noqa: E402
 from s3server import S3Server, fake_aws_env, patched_environ  # noqa: E402
 
@@ -72,16 +73,6 @@ def make_db(path: str, size_mb: int, seed: int = 0) -> int:
     con.commit()
     con.close()
     return rows
-
-
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
 
 
 def read_all(path: str, block: int = 1 << 20) -> tuple[int, float]:
