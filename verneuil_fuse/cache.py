@@ -311,6 +311,18 @@ class ChunkCache:
         with self._lock:
             return sum(s.disk_bytes for s in self._segments.values())
 
+    def describe(self) -> dict:
+        """For /.verneuil/stats: size, bound, counts and counters."""
+        with self._lock:
+            out = {
+                "bytes": sum(s.disk_bytes for s in self._segments.values()),
+                "limit": self.size_limit,
+                "chunks": len(self._index),
+                "segments": len(self._segments),
+            }
+            out.update(self.stats)
+            return out
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._index)

@@ -85,7 +85,6 @@ class Fetcher:
         self._inflight: dict[Fprint, _Flight] = {}
         self._prefetch_flights = 0
         self._prefetched_unused: set[Fprint] = set()
-        self._on_disk: set[Fprint] = set()
         self._nursery: trio.Nursery | None = None
         self.stats: dict[str, int] = dict.fromkeys(
             (
@@ -252,7 +251,7 @@ class Fetcher:
 
         async with trio.open_nursery() as nursery:
             for fp in dict.fromkeys(fps):
-                if fp in self.mem or fp in self._on_disk:
+                if fp in self.mem or (self.cache is not None and self.cache.has(fp)):
                     continue
                 await sem.acquire()
                 nursery.start_soon(one, fp)
@@ -298,13 +297,11 @@ class Fetcher:
             cache = self.cache
             if hydrate:
                 if await trio.to_thread.run_sync(cache.contains, fp, limiter=self.cache_limiter):
-                    self._on_disk.add(fp)
                     if not flight.promoted:  # nobody waits for the bytes
                         return b""
             data = await trio.to_thread.run_sync(cache.get, fp, limiter=self.cache_limiter)
             if data is not None:
                 self.stats["disk_hits"] += 1
-                self._on_disk.add(fp)
                 self.mem.put(fp, data)
                 return data
         data = await self._download(fp)
@@ -324,7 +321,6 @@ class Fetcher:
         assert self.cache is not None
         try:
             await trio.to_thread.run_sync(self.cache.put, fp, data, limiter=self.cache_limiter)
-            self._on_disk.add(fp)
         except Exception:  # noqa: BLE001 - a cache that cannot be written is not fatal
             log.exception("cannot write chunk %s to the cache", chunk_name(fp))
 
@@ -378,5 +374,7 @@ class Fetcher:
         out["prefetch_waste"] = len(self._prefetched_unused)
         out["inflight"] = len(self._inflight)
         out["mem_cache_bytes"] = self.mem._size
+        if self.cache is not None:
+            out["disk_cache"] = self.cache.describe()
         return out
 
