@@ -184,10 +184,11 @@ class ChunkCache:
             self.stats["hits"] += 1
         return data
 
-    def get_nowait(self, fp: Fprint) -> bytes | None:
+    def get_nowait(self, fp: Fprint) -> bytes | bytearray | None:
         """The chunk's verified bytes if they are cached *and* in the kernel's
         page cache (``RWF_NOWAIT``: no disk I/O, so the trio thread may call
-        it), else None. Never rescans, never blocks on the disk."""
+        it), else None. Never rescans, never blocks on the disk. The result
+        is a bytearray that must be treated as read-only."""
         with self._lock:
             loc = self._index.get(fp)
             if loc is None or loc[0].fd < 0:
@@ -207,12 +208,13 @@ class ChunkCache:
                     self._close_fds(seg)
         if n != length:
             return None  # let a worker thread do the blocking read (and checks)
-        data = bytes(buf)
-        if fingerprint(data) != fp:
+        if fingerprint(buf) != fp:
             return None  # get() in a thread will drop it and log
         with self._lock:
             self.stats["hits"] += 1
-        return data
+        # The buffer itself, not a bytes copy: nobody writes to it from here
+        # on (replies and the memory LRU only read it).
+        return buf  # type: ignore[return-value]
 
     def has(self, fp: Fprint) -> bool:
         """Whether the index names this chunk (in memory: no I/O, no rescan)."""

@@ -140,8 +140,9 @@ class Replica:
             self._learn(index, data)
         return data
 
-    async def read(self, off: int, size: int, cursor: Cursor | None = None) -> bytes:
-        """Exactly ``size`` bytes from ``off``, fewer only at end of file.
+    async def read(self, off: int, size: int, cursor: Cursor | None = None) -> bytes | memoryview:
+        """Exactly ``size`` bytes from ``off`` (a view when one chunk holds them),
+        fewer only at end of file.
         Raises FetchError when a chunk cannot be obtained (EIO)."""
         if off >= self.size or size <= 0:
             return b""
@@ -155,7 +156,8 @@ class Replica:
             data = self.chunk_nowait(first)
             if data is None:
                 data = await self.chunk(first)
-            return data[off - base : end - base]
+            # A view, not a copy: pyfuse3 copies it into the reply.
+            return memoryview(data)[off - base : end - base]
         # What is ready is taken at once; the rest is awaited in parallel.
         parts: list[bytes | None] = [self.chunk_nowait(i) for i in range(first, last + 1)]
         missing = [i for i, part in enumerate(parts) if part is None]
