@@ -233,6 +233,17 @@ class Mount(FuseProcess):
             cmd += ["-o", self.options]
         return cmd
 
+    def start(self, timeout: float = 30.0) -> "Mount":
+        """Mounted, then ready (its kernel readahead set, as `verneuil`
+        without ``-f`` waits for before returning)."""
+        super().start(timeout)
+        try:
+            wait_for(lambda: self.stats()["mount"].get("ready"), timeout, "the mount to be ready")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
     def stats(self) -> dict:
         import json
 

@@ -422,9 +422,10 @@ async def serve(opts: Options, store, ready) -> None:
     )
     catalog = Catalog(fetcher, refresh_interval=opts.refresh, prefetch=prefetch, hydrate=opts.hydrate)
     ops = VerneuilFS(catalog, entry_timeout=opts.entry_timeout)
+    state = {"ready": False}
     catalog.extra_stats = lambda: {
         "mount": {"source": store.url, "mountpoint": opts.mountpoint, "pid": os.getpid(),
-                  "read_errors": ops.read_errors,
+                  "read_errors": ops.read_errors, "ready": state["ready"],
                   "cache_dir": cache.directory if cache else None}
     }
     mounted = False
@@ -441,12 +442,19 @@ async def serve(opts: Options, store, ready) -> None:
             except RuntimeError as e:
                 raise UserError("cannot mount %s: %s" % (opts.mountpoint, e), EXIT_MOUNT) from None
             mounted = ops.mounted = True
-            if opts.read_ahead_kb is None:
-                nursery.start_soon(tune_kernel_readahead, opts.mountpoint, DEFAULT_READ_AHEAD_KB, False)
-            else:
-                nursery.start_soon(tune_kernel_readahead, opts.mountpoint, opts.read_ahead_kb, True)
-            log.warning("mounted %s on %s (%d databases)", store.url, opts.mountpoint, len(catalog.entries))
-            ready()
+
+            async def settle() -> None:
+                # Readahead first, then "ready": a file opened before the
+                # tuning would keep the 128 KiB readahead while it is open.
+                if opts.read_ahead_kb is None:
+                    await tune_kernel_readahead(opts.mountpoint, DEFAULT_READ_AHEAD_KB, False)
+                else:
+                    await tune_kernel_readahead(opts.mountpoint, opts.read_ahead_kb, True)
+                log.warning("mounted %s on %s (%d databases)", store.url, opts.mountpoint, len(catalog.entries))
+                state["ready"] = True
+                ready()
+
+            nursery.start_soon(settle)
 
             async def on_signals() -> None:
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
