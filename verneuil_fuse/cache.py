@@ -111,7 +111,7 @@ class _Segment:
     idx_fd: int = -1  # own segments only (O_APPEND)
     data_bytes: int = 0  # size of .seg (own: bytes reserved so far)
     idx_bytes: int = 0  # bytes of .idx consumed (others') or written (own)
-    readers: int = 0  # preads under way
+    readers: int = 0  # reads and writes under way (the descriptors stay open)
     dead: bool = False  # deleted: close the fd when the last reader leaves
     fps: list = field(default_factory=list)  # every fingerprint recorded here
 
@@ -169,9 +169,7 @@ class ChunkCache:
             data = b""
         finally:
             with self._lock:
-                seg.readers -= 1
-                if seg.dead and seg.readers == 0:
-                    self._close_fds(seg)
+                self._release_locked(seg)
         if len(data) != length or fingerprint(data) != fp:
             log.warning("dropping damaged cache entry for chunk %016x/%016x (segment %s)", fp.major, fp.minor, seg.name)
             with self._lock:
@@ -203,9 +201,7 @@ class ChunkCache:
             n = -1
         finally:
             with self._lock:
-                seg.readers -= 1
-                if seg.dead and seg.readers == 0:
-                    self._close_fds(seg)
+                self._release_locked(seg)
         if n != length:
             return None  # let a worker thread do the blocking read (and checks)
         if fingerprint(buf) != fp:
@@ -254,9 +250,7 @@ class ChunkCache:
                 log.debug("fadvise on cache segment %s: %s", seg.name, e)
             finally:
                 with self._lock:
-                    seg.readers -= 1
-                    if seg.dead and seg.readers == 0:
-                        self._close_fds(seg)
+                    self._release_locked(seg)
         return advised
 
     def contains(self, fp: Fprint) -> bool:
@@ -293,7 +287,6 @@ class ChunkCache:
         except OSError as e:
             log.warning("cannot write chunk %016x/%016x to the cache: %s", fp.major, fp.minor, e)
         with self._lock:
-            seg.readers -= 1
             if ok and not seg.dead:
                 seg.idx_bytes += RECORD.size
                 seg.fps.append(fp)
@@ -301,11 +294,7 @@ class ChunkCache:
                 self.stats["puts"] += 1
             elif not ok and seg is self._active:
                 self._seal_locked(seg)  # a failed write: start afresh next time
-            if seg.dead and seg.readers == 0:
-                self._close_fds(seg)
-            elif seg is not self._active and seg.readers == 0 and seg.idx_fd >= 0:
-                os.close(seg.idx_fd)  # sealed while we wrote
-                seg.idx_fd = -1
+            self._release_locked(seg)
 
     # ------------------------------------------------------------ accounting
     def volume(self) -> int:
@@ -455,6 +444,18 @@ class ChunkCache:
         seg.dead = True
         if seg.readers == 0:
             self._close_fds(seg)
+
+    def _release_locked(self, seg: _Segment) -> None:
+        """One read or write of ``seg`` is over: close what nobody needs any
+        more (everything once deleted; the index of a sealed segment of ours)."""
+        seg.readers -= 1
+        if seg.readers:
+            return
+        if seg.dead:
+            self._close_fds(seg)
+        elif seg is not self._active and seg.idx_fd >= 0:
+            os.close(seg.idx_fd)
+            seg.idx_fd = -1
 
     @staticmethod
     def _close_fds(seg: _Segment) -> None:

@@ -174,9 +174,16 @@ class Fetcher:
 
     async def get(self, fp: Fprint) -> bytes:
         """The verified bytes of one chunk (demand read)."""
+        data = self.get_nowait(fp)
+        return data if data is not None else await self.get_waiting(fp)
+
+    async def get_waiting(self, fp: Fprint) -> bytes:
+        """A demand read for a chunk `get_nowait` did not have: join or start
+        its flight (disk cache in a thread, else the store)."""
         self.stats["requests"] += 1
-        data = self._ready(fp)
+        data = self.mem.get(fp)  # it may have arrived since
         if data is not None:
+            self.stats["mem_hits"] += 1
             self._used(fp)
             return data
         flight = self._inflight.get(fp)

@@ -127,18 +127,20 @@ class Replica:
         if fp == ZERO_CHUNK_FPRINT:
             return _ZERO_CHUNK
         data = self.fetcher.get_nowait(fp)
-        if data is not None and self._btree is not None and index not in self._btree.parsed:
-            self._learn(index, data)
+        if data is not None:
+            self._note(index, data)
         return data
 
-    async def chunk(self, index: int) -> bytes:
-        data = self.chunk_nowait(index)
-        if data is not None:
-            return data
-        data = await self.fetcher.get(self.manifest.chunks[index])
+    async def _chunk_waiting(self, index: int) -> bytes:
+        """A chunk `chunk_nowait` did not have (raises FetchError)."""
+        data = await self.fetcher.get_waiting(self.manifest.chunks[index])
+        self._note(index, data)
+        return data
+
+    def _note(self, index: int, data: bytes) -> None:
+        """Learn the b-tree pages of a chunk read on demand, once."""
         if self._btree is not None and index not in self._btree.parsed:
             self._learn(index, data)
-        return data
 
     async def read(self, off: int, size: int, cursor: Cursor | None = None) -> bytes | memoryview:
         """Exactly ``size`` bytes from ``off`` (a view when one chunk holds them),
@@ -155,20 +157,20 @@ class Replica:
         if first == last:
             data = self.chunk_nowait(first)
             if data is None:
-                data = await self.chunk(first)
+                data = await self._chunk_waiting(first)
             # A view, not a copy: pyfuse3 copies it into the reply.
             return memoryview(data)[off - base : end - base]
         # What is ready is taken at once; the rest is awaited in parallel.
         parts: list[bytes | None] = [self.chunk_nowait(i) for i in range(first, last + 1)]
         missing = [i for i, part in enumerate(parts) if part is None]
         if len(missing) == 1:
-            parts[missing[0]] = await self.chunk(first + missing[0])
+            parts[missing[0]] = await self._chunk_waiting(first + missing[0])
         elif missing:
             errors: list[FetchError] = []
 
             async def one(k: int) -> None:
                 try:
-                    parts[k] = await self.chunk(first + k)
+                    parts[k] = await self._chunk_waiting(first + k)
                 except FetchError as e:
                     errors.append(e)
 
