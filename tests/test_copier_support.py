@@ -8,6 +8,7 @@ restored snapshot tells which commit it is.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import time
@@ -85,23 +86,31 @@ class Writer:
             return f.read()
 
 
-def counter_of(data: bytes, tmpdir: str) -> int:
-    """The counter of a database image (checked for integrity too)."""
+@contextlib.contextmanager
+def opened_image(data: bytes, tmpdir: str):
+    """A read-only sqlite3 connection to a database image (written to a
+    scratch file, removed afterwards)."""
     path = os.path.join(tmpdir, "probe-%d.db" % time.monotonic_ns())
     with open(path, "wb") as f:
         f.write(data)
     try:
         conn = sqlite3.connect("file:%s?mode=ro" % path, uri=True)
         try:
-            assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-            (n,) = conn.execute("SELECT n FROM counter WHERE id = 1").fetchone()
-            (logged,) = conn.execute("SELECT count(*) FROM log").fetchone()
-            assert logged == n, "snapshot mixes commits: counter %d, %d log rows" % (n, logged)
-            return n
+            yield conn
         finally:
             conn.close()
     finally:
         os.unlink(path)
+
+
+def counter_of(data: bytes, tmpdir: str) -> int:
+    """The counter of a database image (checked for integrity too)."""
+    with opened_image(data, tmpdir) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        (n,) = conn.execute("SELECT n FROM counter WHERE id = 1").fetchone()
+        (logged,) = conn.execute("SELECT count(*) FROM log").fetchone()
+        assert logged == n, "snapshot mixes commits: counter %d, %d log rows" % (n, logged)
+        return n
 
 
 def store_counter(store, name: str, tmpdir: str, version_id=None):

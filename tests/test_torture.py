@@ -35,7 +35,7 @@ import time
 
 import pytest
 
-from test_copier_support import vfs_available
+from test_copier_support import opened_image, vfs_available
 from test_faults import BucketView, list_manifest_versions
 from verneuil_fuse import format as fmt
 
@@ -144,17 +144,8 @@ class Procs:
 
 
 def _integrity(data: bytes, tmp: str) -> str:
-    path = os.path.join(tmp, "check-%d.db" % time.monotonic_ns())
-    with open(path, "wb") as f:
-        f.write(data)
-    try:
-        con = sqlite3.connect("file:%s?mode=ro" % path, uri=True)
-        try:
-            return con.execute("PRAGMA integrity_check").fetchone()[0]
-        finally:
-            con.close()
-    finally:
-        os.unlink(path)
+    with opened_image(data, tmp) as con:
+        return con.execute("PRAGMA integrity_check").fetchone()[0]
 
 
 def test_sigkill_writers_and_copiers(s3_server, tmp_path):

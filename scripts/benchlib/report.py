@@ -234,6 +234,19 @@ def _hbar(ax, names, values, colors, fmt, notes=None, log=False):
     ax.grid(axis="x", alpha=0.3)
 
 
+def _save(fig, title: str, stamp: str, out_dir: str, name: str) -> str:
+    """Title, stamp, lay out, write ``out_dir/name`` and close the figure."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=12)
+    fig.text(0.01, 0.01, stamp, fontsize=7, color="#555555")
+    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plots(r: dict, out_dir: str) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -271,14 +284,8 @@ def plots(r: dict, out_dir: str) -> list[str]:
             ax.set_title(title, fontsize=10)
         for ax in axes[1:]:
             ax.set_yticklabels([])
-        fig.suptitle("Reading one %.0f MiB SQLite database from S3 (moto + %.0f ms/request), "
-                     "lower is better" % (size, m["latency_ms"]), fontsize=12)
-        fig.text(0.01, 0.01, stamp, fontsize=7, color="#555555")
-        fig.tight_layout(rect=(0, 0.03, 1, 0.95))
-        path = os.path.join(out_dir, "readers.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, "Reading one %.0f MiB SQLite database from S3 (moto + %.0f ms/request), "
+                             "lower is better" % (size, m["latency_ms"]), stamp, out_dir, "readers.png"))
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 8))
     axes = axes.ravel()
@@ -382,11 +389,5 @@ def plots(r: dict, out_dir: str) -> list[str]:
         ax.set_ylabel("64 KiB GETs per second")
         ax.set_ylim(top=max(c["chunk_GETs_per_s"], rate) * 1.18)
         ax.set_title("what bounds the cold scan: moto's GET rate", fontsize=10)
-    fig.suptitle("verneuil: writer, copier, Spark fan-out, storage", fontsize=12)
-    fig.text(0.01, 0.01, stamp, fontsize=7, color="#555555")
-    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
-    path = os.path.join(out_dir, "system.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save(fig, "verneuil: writer, copier, Spark fan-out, storage", stamp, out_dir, "system.png"))
     return written
