@@ -7,6 +7,8 @@ replicas out, errors translated to errno. The only module that raises
   change, so the kernel page cache stays valid), never ``direct_io``; their
   attributes may be cached long. Entries are cached for ``entry_timeout`` and
   invalidated when a new version replaces them.
+- At a version's first open, its chunk 0 (bundled in the manifest) is stored
+  in the kernel's page cache (`Replica.take_preload`), before any read.
 - ``/.verneuil/stats`` is rendered at open (``direct_io``, so its size does
   not matter).
 """
@@ -60,6 +62,7 @@ class VerneuilFS(pyfuse3.Operations):
         self._dir_handles: dict[int, list[tuple[str, Any]]] = {}
         self._next_fh = 1
         self.read_errors = 0
+        self.preload = True  # off once the kernel refuses notify_store
         self.mounted = False
         catalog.on_invalidate = self.invalidate
 
@@ -187,6 +190,14 @@ class VerneuilFS(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         self.catalog.opened(node)
         self._handles[fh] = _Handle(node)
+        data = node.take_preload() if self.preload else None
+        if data:
+            try:
+                pyfuse3.notify_store(inode, 0, data)
+                node.preloaded = len(data)
+            except OSError as e:
+                self.preload = False
+                log.info("the kernel does not take page-cache stores (%s): chunk 0 is read on demand", e)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     async def read(self, fh, off, size):

@@ -100,6 +100,8 @@ class Replica:
         self.opens = 0  # open handles
         self.reads = 0
         self.read_bytes = 0
+        self.preloaded = 0  # bytes handed to the kernel's page cache at first open
+        self._opened_before = False
         self._local: dict[Fprint, bytes] = {manifest.chunks[i]: data for i, data in manifest.bundled.items()}
         self._btree: _BtreeMap | None = None
         first = manifest.bundled.get(0)
@@ -110,6 +112,21 @@ class Replica:
             self._learn(0, first)
 
     # ------------------------------------------------------------------ reads
+    def take_preload(self) -> bytes | None:
+        """Chunk 0's bytes the first time this version is opened, else None.
+
+        They are bundled in the manifest (verified when it was decoded), so the
+        caller can store them in the kernel's page cache before the first read:
+        SQLite's reads of the header and schema then never reach the mount, and
+        neither does the kernel's readahead window they would open (which at
+        1 MiB reaches into chunk 1 and costs a GET a point query never needed).
+        Only at the first open: no read of this inode can be holding its pages."""
+        if self._opened_before:
+            return None
+        self._opened_before = True
+        data = self.manifest.bundled.get(0)
+        return data or None
+
     def chunk_fprint(self, index: int) -> Fprint:
         return self.manifest.chunks[index]
 
@@ -284,5 +301,6 @@ class Replica:
             "opens": self.opens,
             "reads": self.reads,
             "read_bytes": self.read_bytes,
+            "preloaded": self.preloaded,
             "btree_pages_known": len(self._btree.children) if self._btree else 0,
         }
