@@ -215,3 +215,46 @@ def test_hydrate_fills_the_disk_cache(local_store, tmp_path):
 
     stats = trio.run(main)
     assert stats["gets"] == len(pub.chunks)
+
+
+def test_first_open_stores_chunk_0_in_the_page_cache(local_store, monkeypatch):
+    """`VerneuilFS.open` hands chunk 0 to the kernel once per version, and
+    keeps opening files when the kernel refuses (a fault this kernel cannot
+    be made to produce, hence the stand-in for `pyfuse3.notify_store`)."""
+    import errno
+
+    import pyfuse3
+
+    from verneuil_fuse.fs import VerneuilFS
+
+    a = publish(local_store, os.urandom(3 * CHUNK_SIZE), "/a.db", hostname="h")
+    b = publish(local_store, os.urandom(CHUNK_SIZE // 2), "/b.db", hostname="h")
+    stored = []
+
+    def notify_store(inode, offset, data):
+        if refuse:
+            raise OSError(errno.ENOSYS, "not supported")
+        stored.append((inode, offset, bytes(data)))
+
+    monkeypatch.setattr(pyfuse3, "notify_store", notify_store)
+
+    async def go(cat: Catalog):
+        nonlocal refuse
+        await cat.refresh(raise_errors=True)
+        fs = VerneuilFS(cat)
+        h = cat.lookup(1, "h").inode
+        ra, rb = cat.lookup(h, "a.db"), cat.lookup(h, "b.db")
+        fh1 = (await fs.open(ra.inode, os.O_RDONLY, None)).fh
+        fh2 = (await fs.open(ra.inode, os.O_RDONLY, None)).fh
+        await fs.release(fh1)
+        await fs.release(fh2)
+        await fs.open(ra.inode, os.O_RDONLY, None)
+        assert stored == [(ra.inode, 0, a.data[:CHUNK_SIZE])]  # once, and only chunk 0
+        assert ra.describe()["preloaded"] == CHUNK_SIZE
+        refuse = True
+        info = await fs.open(rb.inode, os.O_RDONLY, None)
+        assert info.fh and not fs.preload and rb.preloaded == 0
+        assert bytes(await rb.read(0, CHUNK_SIZE)) == b.data
+
+    refuse = False
+    run(local_store, go)
