@@ -15,6 +15,9 @@ static_assert(sizeof(uint64_t) == 8, "fixed64 words are 8 bytes");
 /* Wire types. */
 enum { WT_VARINT = 0, WT_I64 = 1, WT_LEN = 2, WT_I32 = 5 };
 
+/* FORMAT.md: chunk i starts at byte i * 65536 (its chunk_offset). */
+#define VN_CHUNK_BYTES ((uint64_t)65536)
+
 #define TAG(field, wt) (((uint64_t)(field) << 3) | (wt))
 
 /* ---- sizes -------------------------------------------------------------- */
@@ -40,13 +43,21 @@ static size_t len_field_size(uint64_t field, size_t body)
 	return varint_size(TAG(field, WT_LEN)) + varint_size(body) + body;
 }
 
-static size_t bundled_body_size(const struct vn_manifest *m)
+/* BundledChunk for chunk `index` of `len` bytes. */
+static size_t bundled_body_size(const struct vn_manifest *m, uint64_t index,
+    size_t len)
 {
-	struct vn_umash_fp fp = { { m->chunks[0], m->chunks[1] } };
+	struct vn_umash_fp fp = { { m->chunks[2 * index],
+	    m->chunks[2 * index + 1] } };
+	size_t n = 0;
 
 	/* chunk_index = 0 and chunk_offset = 0 are proto3 defaults: omitted. */
-	return len_field_size(3, fprint_body_size(&fp)) +
-	    len_field_size(15, m->bundled0_len);
+	if (index != 0)
+		n += varint_size(TAG(1, WT_VARINT)) + varint_size(index) +
+		    varint_size(TAG(2, WT_VARINT)) +
+		    varint_size(index * VN_CHUNK_BYTES);
+	return n + len_field_size(3, fprint_body_size(&fp)) +
+	    len_field_size(15, len);
 }
 
 static size_t v1_body_size(const struct vn_manifest *m)
@@ -69,7 +80,11 @@ static size_t v1_body_size(const struct vn_manifest *m)
 	if (m->n_words > 0)
 		n += len_field_size(15, 8 * m->n_words);
 	if (m->has_bundled0)
-		n += len_field_size(16, bundled_body_size(m));
+		n += len_field_size(16, bundled_body_size(m, 0,
+		    m->bundled0_len));
+	for (size_t k = 0; k < m->n_extra; k++)
+		n += len_field_size(16, bundled_body_size(m, m->extra[k].index,
+		    m->extra[k].len));
 	return n;
 }
 
@@ -116,10 +131,38 @@ static uint8_t *put_fprint(uint8_t *p, uint64_t field,
 static_assert(1 + 10 + 2 + 18 + 2 + VN_MAX_VERSION_ID + 2 + 18 + 1 + 10 +
     1 + 10 + 1 + 4 + 2 + sizeof(VN_GENERATED_BY) - 1 + 1 + 10 + 1 <=
     VN_MANIFEST_HEAD_MAX, "the fields before `chunks` fit in the head");
-static_assert(2 + 10 + 2 + 18 + 1 + 10 <= VN_MANIFEST_MID_MAX,
-    "the bundled chunk's keys and fingerprint fit in the mid piece");
+static_assert(2 + 10 + 1 + 10 + 1 + 10 + 2 + 18 + 1 + 10 <= VN_MANIFEST_MID_MAX,
+    "a bundled chunk's keys and fingerprint fit in a mid piece");
 static_assert(sizeof(VN_GENERATED_BY) - 1 < 128,
     "generated_by's length is a one-byte varint");
+
+/* Appends one BundledChunk (its key, index, offset, fingerprint and bytes
+ * key in `mid`, then its bytes) to parts->iov. */
+static void put_bundled(const struct vn_manifest *m,
+    struct vn_manifest_parts *parts, uint64_t index, const uint8_t *data,
+    size_t len, uint8_t *mid)
+{
+	struct vn_umash_fp fp = { { m->chunks[2 * index],
+	    m->chunks[2 * index + 1] } };
+	uint8_t *p;
+
+	p = put_len_header(mid, 16, bundled_body_size(m, index, len));
+	if (index != 0) {
+		p = put_varint(p, TAG(1, WT_VARINT));
+		p = put_varint(p, index);
+		p = put_varint(p, TAG(2, WT_VARINT));
+		p = put_varint(p, index * VN_CHUNK_BYTES);
+	}
+	p = put_fprint(p, 3, &fp);
+	p = put_len_header(p, 15, len);
+	assert((size_t)(p - mid) <= VN_MANIFEST_MID_MAX);
+	parts->iov[parts->iovcnt].iov_base = mid;
+	parts->iov[parts->iovcnt++].iov_len = (size_t)(p - mid);
+	if (len > 0) {
+		parts->iov[parts->iovcnt].iov_base = (void *)data;
+		parts->iov[parts->iovcnt++].iov_len = len;
+	}
+}
 
 int vn_manifest_encode_parts(const struct vn_manifest *m,
     struct vn_manifest_parts *parts)
@@ -130,6 +173,14 @@ int vn_manifest_encode_parts(const struct vn_manifest *m,
 
 	if (m->has_bundled0 && m->n_words < 2)
 		return -1;
+	if (m->n_extra > VN_MANIFEST_MAX_EXTRA ||
+	    (m->n_extra > 0 && !m->has_bundled0))
+		return -1;
+	for (size_t k = 0; k < m->n_extra; k++)
+		if (m->extra[k].index == 0 ||
+		    m->extra[k].index >= m->n_words / 2 ||
+		    (k > 0 && m->extra[k].index <= m->extra[k - 1].index))
+			return -1;
 	if (m->version_id_len > VN_MAX_VERSION_ID)
 		return -1;
 	body = v1_body_size(m);
@@ -175,20 +226,12 @@ int vn_manifest_encode_parts(const struct vn_manifest *m,
 		parts->iov[parts->iovcnt].iov_base = m->chunks;
 		parts->iov[parts->iovcnt++].iov_len = 8 * m->n_words;
 	}
-	if (m->has_bundled0) {
-		struct vn_umash_fp fp = { { m->chunks[0], m->chunks[1] } };
-
-		p = put_len_header(parts->mid, 16, bundled_body_size(m));
-		p = put_fprint(p, 3, &fp);
-		p = put_len_header(p, 15, m->bundled0_len);
-		assert((size_t)(p - parts->mid) <= VN_MANIFEST_MID_MAX);
-		parts->iov[parts->iovcnt].iov_base = parts->mid;
-		parts->iov[parts->iovcnt++].iov_len = (size_t)(p - parts->mid);
-		if (m->bundled0_len > 0) {
-			parts->iov[parts->iovcnt].iov_base = (void *)m->bundled0;
-			parts->iov[parts->iovcnt++].iov_len = m->bundled0_len;
-		}
-	}
+	if (m->has_bundled0)
+		put_bundled(m, parts, 0, m->bundled0, m->bundled0_len,
+		    parts->mid[0]);
+	for (size_t k = 0; k < m->n_extra; k++)
+		put_bundled(m, parts, m->extra[k].index, m->extra[k].data,
+		    m->extra[k].len, parts->mid[1 + k]);
 	return 0;
 }
 
@@ -361,10 +404,17 @@ static int decode_bundled(struct cursor c, struct vn_manifest *m)
 			return -1;
 		}
 	}
-	if (index == 0 && offset == 0 && data != NULL) {
+	if (data == NULL)
+		return 0;
+	if (index == 0 && offset == 0) {
 		m->bundled0 = data;
 		m->bundled0_len = data_len;
 		m->has_bundled0 = 1;
+	} else if (index != 0 && m->n_extra < VN_MANIFEST_MAX_EXTRA) {
+		m->extra[m->n_extra].index = index;
+		m->extra[m->n_extra].data = data;
+		m->extra[m->n_extra].len = data_len;
+		m->n_extra++;
 	}
 	return 0;
 }

@@ -29,6 +29,18 @@
  * another writer's xattr format. */
 #define VN_MAX_VERSION_ID 64
 
+/* Most bundled chunks besides chunk 0 that the encoder writes (sized for
+ * btree_tops.h's VN_TOPS_MAX_CHUNKS). */
+#define VN_MANIFEST_MAX_EXTRA 16
+
+/* A bundled chunk other than chunk 0: its fingerprint is
+ * chunks[2 * index .. 2 * index + 2). */
+struct vn_bundled {
+	uint64_t index;
+	const uint8_t *data;
+	size_t len;
+};
+
 struct vn_manifest {
 	struct vn_umash_fp header_fprint;
 	struct vn_umash_fp contents_fprint;
@@ -43,10 +55,16 @@ struct vn_manifest {
 	/* 2 words per chunk: major, minor.  Decoder: malloc'ed, caller frees. */
 	uint64_t *chunks;
 	size_t n_words;
-	/* Bundled chunk 0 (the only bundle we write or look at). */
+	/* Bundled chunk 0. */
 	const uint8_t *bundled0;
 	size_t bundled0_len;
 	int has_bundled0;
+	/* More bundled chunks, ascending index > 0 (b-tree tops): written
+	 * after chunk 0, which must then be bundled too.  The decoder reports
+	 * the first VN_MANIFEST_MAX_EXTRA, in the order found, with data
+	 * pointing into its input. */
+	struct vn_bundled extra[VN_MANIFEST_MAX_EXTRA];
+	size_t n_extra;
 };
 
 /*
@@ -58,13 +76,14 @@ int vn_manifest_encode(const struct vn_manifest *m, uint8_t **out,
     size_t *out_len);
 
 /*
- * The encoding of `m` as four pieces for one writev(2), so that the two big
- * arrays (the chunk words and the bundled chunk 0) are written from where
- * they are instead of being copied into one buffer:
+ * The encoding of `m` as pieces for one writev(2), so that the big arrays
+ * (the chunk words and the bundled chunks) are written from where they are
+ * instead of being copied into one buffer:
  *   iov[0] = head: every field before `chunks`, and the `chunks` key
  *   iov[1] = m->chunks (8 * n_words bytes, little-endian in memory)
- *   iov[2] = mid: the bundled chunk's key, fingerprint and bytes key
+ *   iov[2] = mid[0]: bundled chunk 0's key, fingerprint and bytes key
  *   iov[3] = m->bundled0
+ *   then mid[k], m->extra[k - 1].data for each extra bundled chunk
  * (empty pieces are left out; iovcnt says how many there are).  The pieces
  * point into `parts` and into `m`'s arrays: keep both alive while writing.
  * The bytes are exactly those of vn_manifest_encode().
@@ -76,29 +95,31 @@ int vn_manifest_encode(const struct vn_manifest *m, uint8_t **out,
  * key and length (1 + 10 + 1 spare); rounded up. */
 #define VN_MANIFEST_HEAD_MAX 256
 
-/* Largest mid: bundled key and length (2 + 10), fingerprint (2 + 18), bytes
- * key and length (1 + 10); rounded up. */
-#define VN_MANIFEST_MID_MAX 64
+/* Largest mid: bundled key and length (2 + 10), chunk_index and
+ * chunk_offset (1 + 10 each), fingerprint (2 + 18), bytes key and length
+ * (1 + 10); rounded up. */
+#define VN_MANIFEST_MID_MAX 80
 
 /* Pieces of an encoding (see above). */
-#define VN_MANIFEST_IOV 4
+#define VN_MANIFEST_IOV (2 + 2 * (1 + VN_MANIFEST_MAX_EXTRA))
 
 struct vn_manifest_parts {
 	uint8_t head[VN_MANIFEST_HEAD_MAX];
-	uint8_t mid[VN_MANIFEST_MID_MAX];
+	uint8_t mid[1 + VN_MANIFEST_MAX_EXTRA][VN_MANIFEST_MID_MAX];
 	struct iovec iov[VN_MANIFEST_IOV];
 	int iovcnt;
 	size_t total; /* bytes in all pieces */
 };
 
-/* Fills *parts; 0, or -1 if `m` cannot be encoded (oversize, or a bundled
- * chunk without its fingerprint). */
+/* Fills *parts; 0, or -1 if `m` cannot be encoded (oversize, a bundled
+ * chunk without its fingerprint, extra bundles out of order or without
+ * chunk 0). */
 int vn_manifest_encode_parts(const struct vn_manifest *m,
     struct vn_manifest_parts *parts);
 
 /*
  * Decodes `buf` into *m.  On success returns 0; m->chunks is malloc'ed (free
- * it with vn_manifest_release) and bundled0 points into `buf`.  Returns -1 on
+ * it with vn_manifest_release) and the bundled chunks point into `buf`.  Returns -1 on
  * malformed input or allocation failure (then nothing needs freeing).
  */
 int vn_manifest_decode(const uint8_t *buf, size_t len, struct vn_manifest *m);

@@ -25,6 +25,8 @@
  *   - header_fprint is the fingerprint of bytes [0, 100) of the file, and
  *     contents_fprint that of the chunk list;
  *   - chunk 0 is bundled, equals the file's chunk 0 and has its fingerprint;
+ *   - any other bundled chunk (b-tree tops) equals the file's chunk at its
+ *     index, and is also a chunk file like the others (below);
  *   - every other chunk's fingerprint is that of the file's chunk, and the
  *     chunk is either the well-known all-zero chunk or a file with exactly
  *     the database's bytes in staging/chunks, ready/<uuid>/chunks or
@@ -189,7 +191,7 @@ int verneuil_selfcheck(sqlite3_file *db, const char *spool_root,
 	char canon[PATH_MAX], path[PATH_MAX + 64];
 	uint8_t hdr[VN_HEADER_BYTES];
 	uint8_t *mbuf = NULL, *file_chunk = NULL;
-	size_t mlen = 0, hn;
+	size_t mlen = 0, hn, bundled_seen = 0;
 	sqlite3_int64 size;
 	uint64_t n_chunks;
 	struct vn_umash_fp fp;
@@ -331,6 +333,18 @@ int verneuil_selfcheck(sqlite3_file *db, const char *spool_root,
 			}
 			continue;
 		}
+		for (size_t k = 0; k < m.n_extra; k++) {
+			if (m.extra[k].index != i)
+				continue;
+			if (m.extra[k].len != len ||
+			    memcmp(m.extra[k].data, file_chunk, len) != 0) {
+				say(msg, cap, "bundled chunk %llu (%zu bytes) "
+				    "differs from the database's (%zu bytes)",
+				    (unsigned long long)i, m.extra[k].len, len);
+				goto out;
+			}
+			bundled_seen++;
+		}
 		if (len == VN_CHUNK_SIZE &&
 		    fp_eq(&sc_keys.zero_chunk, major, minor))
 			continue; /* the well-known zero chunk is never staged */
@@ -362,6 +376,11 @@ int verneuil_selfcheck(sqlite3_file *db, const char *spool_root,
 			goto out;
 		}
 		free(staged);
+	}
+	if (bundled_seen != m.n_extra) {
+		say(msg, cap, "%zu bundled chunks past the end or repeated",
+		    m.n_extra - bundled_seen);
+		goto out;
 	}
 	result = VERNEUIL_SELFCHECK_OK;
 out:

@@ -93,8 +93,9 @@ struct vn_file_id {
 
 int vn_file_id_equal(const struct vn_file_id *a, const struct vn_file_id *b);
 
-/* Most pieces a published file is written from (one writev). */
-#define VN_SPOOL_IOV_MAX 8
+/* Most pieces a published file is written from (one writev): a manifest
+ * with 17 bundled chunks takes 36 (manifest_pb.h). */
+#define VN_SPOOL_IOV_MAX 40
 
 /* How a chunk file gets its name (learnt on first use, per session). */
 enum vn_link_mode {

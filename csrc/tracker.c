@@ -29,6 +29,8 @@ static_assert(sizeof(sqlite3_int64) == 8, "file offsets are 64-bit");
 static_assert(sizeof(size_t) >= 8, "chunk word counts of any file fit");
 static_assert(VN_MANIFEST_IOV <= VN_SPOOL_IOV_MAX,
     "a manifest's pieces fit in one published file's writev");
+static_assert(VN_TOPS_MAX_CHUNKS <= VN_MANIFEST_MAX_EXTRA,
+    "every chunk btree_tops may choose can be encoded");
 
 /* The first 8 bytes of a hot rollback journal (FORMAT.md; SQLite's
  * aJournalMagic). */
@@ -139,6 +141,8 @@ void vn_tracker_fini(struct vn_tracker *t)
 	free(t->dirty);
 	free(t->buf);
 	free(t->chunk0);
+	for (size_t i = 0; i < VN_TOPS_MAX_CHUNKS; i++)
+		free(t->tops_buf[i]);
 	memset(t, 0, sizeof(*t));
 }
 
@@ -274,6 +278,7 @@ struct build {
 	size_t len0;       /* bytes of chunk 0 in t->chunk0 */
 	int changed;       /* some fingerprint differs from the old one */
 	size_t created;    /* chunk files written */
+	struct vn_tops tops; /* bundled besides chunk 0 */
 	const char *what;  /* failed operation, for the log */
 	int err;           /* errno value, or 0 for SQLite errors */
 	int sqlite_rc;
@@ -295,21 +300,15 @@ static int read_chunk(struct build *b, uint64_t i, uint8_t *buf, size_t *len)
 	return 0;
 }
 
-/* Fingerprints and (unless chunk 0 or all zero) stages chunk i; chunk 0 was
- * read into t->chunk0 already, the others are read here. */
-static int process_chunk(struct build *b, uint64_t i)
+/* Fingerprints chunk i's bytes, records the fingerprint in the chunk list
+ * and (unless chunk 0 or all zero) stages the chunk. */
+static int record_chunk(struct build *b, uint64_t i, const uint8_t *data,
+    size_t len)
 {
 	struct vn_tracker *t = b->t;
-	const uint8_t *data = t->chunk0;
 	struct vn_umash_fp fp;
-	size_t len = b->len0;
 	int created, rc;
 
-	if (i != 0) {
-		if (read_chunk(b, i, t->buf, &len) != 0)
-			return -1;
-		data = t->buf;
-	}
 	fp = vn_umash_fprint(&t->keys->chunk, 0, data, len);
 	if (i >= b->old_chunks || b->words[2 * i] != fp.hash[0] ||
 	    b->words[2 * i + 1] != fp.hash[1])
@@ -330,6 +329,64 @@ static int process_chunk(struct build *b, uint64_t i)
 	}
 	b->created += (size_t)created;
 	t->stats.staged += (uint64_t)created;
+	return 0;
+}
+
+/* record_chunk() for chunk i: chunk 0 was read into t->chunk0 already, the
+ * others are read here. */
+static int process_chunk(struct build *b, uint64_t i)
+{
+	struct vn_tracker *t = b->t;
+	size_t len;
+
+	if (i == 0)
+		return record_chunk(b, 0, t->chunk0, b->len0);
+	if (read_chunk(b, i, t->buf, &len) != 0)
+		return -1;
+	return record_chunk(b, i, t->buf, len);
+}
+
+static int read_for_tops(void *ctx, uint8_t *buf, size_t len, uint64_t off)
+{
+	struct build *b = ctx;
+
+	return b->db->pMethods->xRead(b->db, buf, (int)len,
+	    (sqlite3_int64)off) == SQLITE_OK ? 0 : -1;
+}
+
+/*
+ * Chooses the chunks to bundle besides chunk 0 (btree_tops.h) into
+ * b->tops.  Their bytes are read now, so each is fingerprinted again: a
+ * chunk whose bytes differ from the list's fingerprint changed behind our
+ * back (as the random re-hash in incremental() looks for), and is recorded
+ * afresh, so that the manifest never bundles bytes its list does not name.
+ */
+static int choose_bundled(struct build *b, size_t budget)
+{
+	struct vn_tracker *t = b->t;
+	struct vn_tops *tops = &b->tops;
+
+	tops->n = 0;
+	if (budget == 0)
+		return 0;
+	if (vn_btree_tops(t->chunk0, b->len0, (uint64_t)b->size, budget,
+	    read_for_tops, b, t->tops_buf, t->buf, tops) != 0)
+		return 0; /* a read failed: bundle nothing more this time */
+	for (size_t k = 0; k < tops->n; k++) {
+		uint64_t i = tops->index[k];
+		struct vn_umash_fp fp = vn_umash_fprint(&t->keys->chunk, 0,
+		    tops->data[k], tops->len[k]);
+
+		if (fp.hash[0] != b->words[2 * i] ||
+		    fp.hash[1] != b->words[2 * i + 1]) {
+			vn_log(SQLITE_NOTICE, "verneuil: %s: chunk %llu changed "
+			    "behind our back; recording it afresh", t->path,
+			    (unsigned long long)i);
+			t->stats.verify_mismatch++;
+			if (record_chunk(b, i, tops->data[k], tops->len[k]) != 0)
+				return -1;
+		}
+	}
 	return 0;
 }
 
@@ -481,6 +538,7 @@ static int load_staged(struct vn_tracker *t)
 	m.bundled0 = NULL; /* pointed into buf */
 	m.bundled0_len = 0;
 	m.has_bundled0 = 0;
+	m.n_extra = 0;
 	free(t->staged.chunks);
 	t->staged = m;
 	t->staged_cap = m.n_words;
@@ -625,6 +683,8 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 	}
 	if (!use_incremental && full_scan(&b) != 0)
 		goto fail;
+	if (choose_bundled(&b, config->bundle_chunks) != 0)
+		goto fail;
 
 	unchanged = use_incremental && !b.changed &&
 	    old_len == (uint64_t)b.size &&
@@ -649,6 +709,12 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 	now.bundled0 = t->chunk0;
 	now.bundled0_len = b.len0;
 	now.has_bundled0 = 1;
+	now.n_extra = b.tops.n;
+	for (size_t k = 0; k < b.tops.n; k++) {
+		now.extra[k].index = b.tops.index[k];
+		now.extra[k].data = b.tops.data[k];
+		now.extra[k].len = b.tops.len[k];
+	}
 	if (vn_manifest_encode_parts(&now, &parts) != 0) {
 		b.what = "encode the manifest";
 		b.err = EFBIG;
@@ -674,6 +740,8 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 	now.bundled0 = NULL;
 	now.bundled0_len = 0;
 	now.has_bundled0 = 0;
+	now.n_extra = 0;
+	t->stats.bundled = b.tops.n;
 	t->staged = now;
 	t->staged_id = id;
 	t->staged_valid = 1;

@@ -19,6 +19,7 @@
 
 #include <sqlite3.h>
 
+#include "btree_tops.h"
 #include "manifest_pb.h"
 #include "spool.h"
 
@@ -42,6 +43,7 @@ struct vn_tracker_stats {
 	uint64_t gc;          /* GC passes */
 	uint64_t gc_removed;  /* chunk files removed by GC */
 	uint64_t staged;      /* chunk files written */
+	uint64_t bundled;     /* chunks besides chunk 0 in the last manifest */
 };
 
 struct vn_tracker {
@@ -81,15 +83,21 @@ struct vn_tracker {
 
 	uint8_t *buf;              /* VN_CHUNK_SIZE scratch for chunk reads */
 	uint8_t *chunk0;           /* VN_CHUNK_SIZE: chunk 0 as of the snapshot */
+	/* VN_CHUNK_SIZE each, allocated when first needed: the chunks bundled
+	 * besides chunk 0 (btree_tops.h). */
+	uint8_t *tops_buf[VN_TOPS_MAX_CHUNKS];
 	uint64_t rng;              /* splitmix64 state for GC and verification */
 
 	struct vn_tracker_stats stats;
 };
 
 /* gc_weight: GC runs with probability gc_weight * (chunks staged now) /
- * (chunks in the db): about every 1/gc_weight db-sizes of new chunks. */
+ * (chunks in the db): about every 1/gc_weight db-sizes of new chunks.
+ * bundle_chunks: most chunks besides chunk 0 bundled in each manifest, those
+ * holding the upper levels of the b-trees (at most VN_TOPS_MAX_CHUNKS). */
 struct vn_snapshot_config {
 	double gc_weight;
+	size_t bundle_chunks;
 };
 
 int vn_tracker_init(struct vn_tracker *t, const struct vn_keys *keys,

@@ -48,6 +48,15 @@ int verneuil_vfs_register_from_env(void);
  */
 void verneuil_vfs_set_gc_weight(double weight);
 
+/*
+ * Most chunks besides chunk 0 bundled in each manifest: those holding the
+ * upper levels of the database's b-trees, so that a cold reader's lookups
+ * need fewer GETs (docs/WRITER.md).  0 bundles chunk 0 only; at most 16;
+ * the default is 4.  Returns the previous count, or -1 (and changes
+ * nothing) for a count out of range.
+ */
+int verneuil_vfs_set_bundle_chunks(int n);
+
 /* Also copy every log message to stderr (for debugging). */
 void verneuil_vfs_set_log_stderr(int on);
 

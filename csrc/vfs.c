@@ -45,6 +45,15 @@ SQLITE_EXTENSION_INIT1
  * probability about e^-8; each pass costs one listing of staging/chunks. */
 #define VN_GC_WEIGHT_DEFAULT 4.0
 
+/* Default budget of chunks bundled in each manifest besides chunk 0, those
+ * that hold the b-trees' upper levels (btree_tops.h, docs/WRITER.md): a
+ * cold reader's lookup then skips one GET per level bundled.  4 chunks
+ * (256 KiB more per manifest at most, about the size of the chunk list of a
+ * 1 GiB database) cover the level below the root of a table and three
+ * indexes, which is what large databases need (the level below is hundreds
+ * of chunks); small databases' trees sit in chunk 0 and bundle nothing. */
+#define VN_BUNDLE_CHUNKS_DEFAULT 4
+
 /* Longest log message; longer ones are cut (paths are at most PATH_MAX). */
 #define VN_LOG_MAX (PATH_MAX + 512)
 
@@ -67,6 +76,7 @@ struct vn_config {
 	int initialised;
 	char *spool_dir;       /* NULL: replication disabled */
 	double gc_weight;
+	size_t bundle_chunks;
 	int log_stderr;
 	struct vn_keys keys;   /* immutable once initialised */
 };
@@ -74,6 +84,7 @@ struct vn_config {
 static struct vn_config vn_config = {
 	.mutex = PTHREAD_MUTEX_INITIALIZER,
 	.gc_weight = VN_GC_WEIGHT_DEFAULT,
+	.bundle_chunks = VN_BUNDLE_CHUNKS_DEFAULT,
 };
 
 /* State of one wrapped main database file. */
@@ -243,6 +254,7 @@ static int unlock_after_write(sqlite3_file *f, struct vn_db *db, int level)
 	} else if (!db->wal) {
 		pthread_mutex_lock(&cfg->mutex);
 		sc.gc_weight = cfg->gc_weight;
+		sc.bundle_chunks = cfg->bundle_chunks;
 		pthread_mutex_unlock(&cfg->mutex);
 		if (vn_tracker_snapshot(&db->tracker, REAL(f), &sc) ==
 		    VN_SNAPSHOT_WAL) {
@@ -307,7 +319,7 @@ static int pragma(sqlite3_file *f, char **args)
 		args[0] = sqlite3_mprintf("full=%llu incremental=%llu "
 		    "unchanged=%llu failed=%llu hot_journal=%llu "
 		    "verify_mismatch=%llu ready=%llu gc=%llu gc_removed=%llu "
-		    "staged=%llu wal=%d no_xattr=%d",
+		    "staged=%llu bundled=%llu wal=%d no_xattr=%d",
 		    (unsigned long long)s->full,
 		    (unsigned long long)s->incremental,
 		    (unsigned long long)s->unchanged,
@@ -316,7 +328,8 @@ static int pragma(sqlite3_file *f, char **args)
 		    (unsigned long long)s->verify_mismatch,
 		    (unsigned long long)s->ready, (unsigned long long)s->gc,
 		    (unsigned long long)s->gc_removed,
-		    (unsigned long long)s->staged, db->wal,
+		    (unsigned long long)s->staged,
+		    (unsigned long long)s->bundled, db->wal,
 		    db->tracker.no_xattr);
 		return SQLITE_OK;
 	}
@@ -634,6 +647,19 @@ void verneuil_vfs_set_gc_weight(double weight)
 	pthread_mutex_lock(&vn_config.mutex);
 	vn_config.gc_weight = weight;
 	pthread_mutex_unlock(&vn_config.mutex);
+}
+
+int verneuil_vfs_set_bundle_chunks(int n)
+{
+	int old;
+
+	if (n < 0 || n > VN_TOPS_MAX_CHUNKS)
+		return -1;
+	pthread_mutex_lock(&vn_config.mutex);
+	old = (int)vn_config.bundle_chunks;
+	vn_config.bundle_chunks = (size_t)n;
+	pthread_mutex_unlock(&vn_config.mutex);
+	return old;
 }
 
 void verneuil_vfs_set_log_stderr(int on)

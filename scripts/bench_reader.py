@@ -4,6 +4,9 @@
     .venv/bin/python scripts/bench_reader.py [--size-mb 64] [--latency-ms 20]
         [--concurrency 16] [--points 5] [--json out.json]
 
+The replica is made for real: one commit through the C VFS (a full snapshot,
+with the b-tree tops the writer bundles), shipped by the copier.
+
 What it measures (each "cold" figure on a fresh mount with an empty cache):
 - cold point query: open the replica with sqlite3 (mode=ro) and look up one
   row by rowid, and one by an indexed key: wall time and GETs (from
@@ -37,16 +40,16 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 from benchlib import drop_page_cache  # noqa: E402
-from replicas import HOST, Mount  # noqa: E402
+from replicas import Mount  # noqa: E402
 from s3server import S3Server, fake_aws_env, patched_environ  # noqa: E402
 
+import writer_vfs  # noqa: E402
 from verneuil_fuse.format import (  # noqa: E402
     CHUNK_SIZE,
-    compress_chunk,
-    compress_manifest,
-    encode_manifest,
+    ZERO_CHUNK_FPRINT,
+    decode_and_validate,
+    local_hostname,
     manifest_name,
-    snapshot_of,
 )
 
 
@@ -106,7 +109,7 @@ class Bench:
 
     def run(self) -> dict:
         a = self.args
-        src = os.path.join(self.tmp, "src.db")
+        src = self.src = os.path.realpath(os.path.join(self.tmp, "src.db"))
         t = time.monotonic()
         rows = make_db(src, a.size_mb)
         data = open(src, "rb").read()
@@ -118,7 +121,7 @@ class Bench:
                 store = server.make_store(max_pool_connections=64)
                 self.url = store.url
                 t = time.monotonic()
-                self._upload(store, data, "/bench/src.db")
+                self._upload(store, src)
                 print("uploaded in %.1fs" % (time.monotonic() - t))
                 server.latency = a.latency_ms / 1000.0
                 self._point_queries(rows)
@@ -130,15 +133,29 @@ class Bench:
                 server.close()
         return self.results
 
-    def _upload(self, store, data, path):
-        manifest, chunks = snapshot_of(data)
-        with ThreadPoolExecutor(16) as pool:
-            list(pool.map(lambda kv: store.chunks.put(kv[0].name, compress_chunk(kv[1])), chunks.items()))
-        store.manifests.put(manifest_name(path, HOST), compress_manifest(encode_manifest(manifest)))
-        self.chunk_names = [fp.name for fp in chunks]
+    def _upload(self, store, src):
+        """Replicate ``src`` for real: one commit through the C VFS (a full
+        snapshot, b-tree tops bundled as the writer chooses), then the
+        copier ships the spool to the store."""
+        from verneuil_fuse.copier import Copier
+
+        spool = os.path.join(self.tmp, "spool")
+        writer_vfs.register(spool)
+        con = writer_vfs.connect(src)
+        con.execute("PRAGMA user_version = 1")
+        con.commit()
+        con.close()
+        copier = Copier(spool, store, rate=0, workers=16)
+        copier.flush(timeout=3600)
+        copier.close()
+        manifest = decode_and_validate(store.manifests.get(manifest_name(os.path.realpath(src),
+                                                                         local_hostname())))
+        self.results["bundled_chunks"] = sorted(manifest.bundled)
+        self.chunk_names = sorted({fp.name for i, fp in enumerate(manifest.chunks)
+                                   if i != 0 and fp != ZERO_CHUNK_FPRINT})
 
     def _db(self, m: Mount) -> str:
-        return m.path(HOST, "bench", "src.db")
+        return m.path(local_hostname(), self.src)
 
     def _point_queries(self, rows):
         import random

@@ -13,6 +13,7 @@ import time
 from typing import NamedTuple
 
 from verneuil_fuse.format import (
+    CHUNK_SIZE,
     Fprint,
     Manifest,
     compress_chunk,
@@ -40,10 +41,15 @@ def publish(
     hostname: str = HOST,
     compress: bool = True,
     ctime: float | None = None,
+    bundle: tuple[int, ...] = (),
 ) -> Published:
-    """Upload a snapshot of ``data`` as the replica of ``hostname:path``."""
+    """Upload a snapshot of ``data`` as the replica of ``hostname:path``;
+    the chunks of ``bundle`` are bundled in the manifest besides chunk 0 (as
+    the C writer does with b-tree tops), and uploaded too."""
     now = time.time() if ctime is None else ctime
     manifest, chunks = snapshot_of(data, ctime=int(now), ctime_ns=int((now % 1) * 1e9))
+    for i in bundle:
+        manifest.bundled[i] = bytes(data[i * CHUNK_SIZE : (i + 1) * CHUNK_SIZE])
     for fp, raw in chunks.items():
         store.chunks.put(fp.name, compress_chunk(raw) if compress else raw)
     blob = encode_manifest(manifest)

@@ -76,19 +76,22 @@ def find_chunk(fp: Fprint, dirs: Iterable[str]) -> Optional[bytes]:
 
 
 def rebuild(manifest, dirs: Iterable[str]) -> bytes:
-    """The file a manifest describes: bundled chunks, the zero chunk, and
-    chunk files found in `dirs`, each checked against its fingerprint."""
+    """The file a manifest describes: bundled chunk 0, the zero chunk, and
+    chunk files found in `dirs`, each checked against its fingerprint.  Other
+    bundled chunks (b-tree tops) must also be chunk files, with the same
+    bytes: a later manifest may stop bundling them."""
     dirs = list(dirs)
     out = bytearray()
     for index, fp in enumerate(manifest.chunks):
         want = manifest.chunk_length(index)
-        if index in manifest.bundled:
+        if index == 0 and 0 in manifest.bundled:
             data = manifest.bundled[index]
         elif fp == ZERO_CHUNK_FPRINT:
             data = ZERO_CHUNK
         else:
             data = find_chunk(fp, dirs)
             assert data is not None, "chunk %d (%s) is missing from %r" % (index, fp.name, dirs)
+            assert manifest.bundled.get(index, data) == data, "bundled chunk %d differs" % index
         assert len(data) == want, "chunk %d has %d bytes, expected %d" % (index, len(data), want)
         assert fingerprint(data) == fp, "chunk %d (%s) has other bytes" % (index, fp.name)
         out += data

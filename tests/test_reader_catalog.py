@@ -217,17 +217,18 @@ def test_hydrate_fills_the_disk_cache(local_store, tmp_path):
     assert stats["gets"] == len(pub.chunks)
 
 
-def test_first_open_stores_chunk_0_in_the_page_cache(local_store, monkeypatch):
-    """`VerneuilFS.open` hands chunk 0 to the kernel once per version, and
-    keeps opening files when the kernel refuses (a fault this kernel cannot
-    be made to produce, hence the stand-in for `pyfuse3.notify_store`)."""
+def test_first_open_stores_bundled_chunks_in_the_page_cache(local_store, monkeypatch):
+    """`VerneuilFS.open` hands the bundled chunks to the kernel once per
+    version, and keeps opening files when the kernel refuses (a fault this
+    kernel cannot be made to produce, hence the stand-in for
+    `pyfuse3.notify_store`)."""
     import errno
 
     import pyfuse3
 
     from verneuil_fuse.fs import VerneuilFS
 
-    a = publish(local_store, os.urandom(3 * CHUNK_SIZE), "/a.db", hostname="h")
+    a = publish(local_store, os.urandom(3 * CHUNK_SIZE), "/a.db", hostname="h", bundle=(2,))
     b = publish(local_store, os.urandom(CHUNK_SIZE // 2), "/b.db", hostname="h")
     stored = []
 
@@ -249,8 +250,10 @@ def test_first_open_stores_chunk_0_in_the_page_cache(local_store, monkeypatch):
         await fs.release(fh1)
         await fs.release(fh2)
         await fs.open(ra.inode, os.O_RDONLY, None)
-        assert stored == [(ra.inode, 0, a.data[:CHUNK_SIZE])]  # once, and only chunk 0
-        assert ra.describe()["preloaded"] == CHUNK_SIZE
+        # once, and only the bundled chunks (0, and 2 as a writer's b-tree top)
+        assert stored == [(ra.inode, 0, a.data[:CHUNK_SIZE]),
+                          (ra.inode, 2 * CHUNK_SIZE, a.data[2 * CHUNK_SIZE:])]
+        assert ra.describe()["preloaded"] == 2 * CHUNK_SIZE
         refuse = True
         info = await fs.open(rb.inode, os.O_RDONLY, None)
         assert info.fh and not fs.preload and rb.preloaded == 0

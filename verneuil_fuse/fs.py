@@ -7,8 +7,9 @@ replicas out, errors translated to errno. The only module that raises
   change, so the kernel page cache stays valid), never ``direct_io``; their
   attributes may be cached long. Entries are cached for ``entry_timeout`` and
   invalidated when a new version replaces them.
-- At a version's first open, its chunk 0 (bundled in the manifest) is stored
-  in the kernel's page cache (`Replica.take_preload`), before any read.
+- At a version's first open, its bundled chunks (chunk 0, and the chunks of
+  the upper b-tree levels a writer may bundle) are stored in the kernel's
+  page cache (`Replica.take_preload`), before any read.
 - ``/.verneuil/stats`` is rendered at open (``direct_io``, so its size does
   not matter).
 """
@@ -190,14 +191,14 @@ class VerneuilFS(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         self.catalog.opened(node)
         self._handles[fh] = _Handle(node)
-        data = node.take_preload() if self.preload else None
-        if data:
+        for off, data in node.take_preload() if self.preload else ():
             try:
-                pyfuse3.notify_store(inode, 0, data)
-                node.preloaded = len(data)
+                pyfuse3.notify_store(inode, off, data)
             except OSError as e:
                 self.preload = False
-                log.info("the kernel does not take page-cache stores (%s): chunk 0 is read on demand", e)
+                log.info("the kernel does not take page-cache stores (%s): bundled chunks are read on demand", e)
+                break
+            node.preloaded += len(data)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     async def read(self, fh, off, size):

@@ -109,23 +109,26 @@ class Replica:
         if header is not None and self.prefetch_config.btree:
             max_page = max(1, -(-self.size // header.page_size))
             self._btree = _BtreeMap(header.page_size, max_page)
-            self._learn(0, first)
+            for index in sorted(manifest.bundled):
+                self._learn(index, manifest.bundled[index])
 
     # ------------------------------------------------------------------ reads
-    def take_preload(self) -> bytes | None:
-        """Chunk 0's bytes the first time this version is opened, else None.
+    def take_preload(self) -> list[tuple[int, bytes]]:
+        """(offset, bytes) of the chunks bundled in the manifest (verified when
+        it was decoded) the first time this version is opened, else [].
 
-        They are bundled in the manifest (verified when it was decoded), so the
-        caller can store them in the kernel's page cache before the first read:
-        SQLite's reads of the header and schema then never reach the mount, and
+        The caller stores them in the kernel's page cache before the first
+        read: SQLite's reads of the header and schema (chunk 0) and of the
+        upper b-tree levels the writer bundles never reach the mount, and
         neither does the kernel's readahead window they would open (which at
-        1 MiB reaches into chunk 1 and costs a GET a point query never needed).
-        Only at the first open: no read of this inode can be holding its pages."""
+        1 MiB reaches into the next chunk and costs a GET a point query never
+        needed).  Only at the first open: no read of this inode can be holding
+        its pages."""
         if self._opened_before:
-            return None
+            return []
         self._opened_before = True
-        data = self.manifest.bundled.get(0)
-        return data or None
+        bundled = self.manifest.bundled
+        return [(i * CHUNK_SIZE, bundled[i]) for i in sorted(bundled) if bundled[i]]
 
     def chunk_fprint(self, index: int) -> Fprint:
         return self.manifest.chunks[index]

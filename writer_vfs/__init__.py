@@ -82,6 +82,17 @@ def set_gc_weight(weight: float) -> None:
     lib.verneuil_vfs_set_gc_weight(float(weight))
 
 
+def set_bundle_chunks(n: int) -> int:
+    """Most chunks besides chunk 0 bundled in each manifest (0 to 16, default
+    4): those holding the upper levels of the b-trees, so that cold lookups on
+    a reader take fewer GETs (docs/WRITER.md, "Bundled b-tree tops").
+    Returns the previous count."""
+    old = lib.verneuil_vfs_set_bundle_chunks(int(n))
+    if old < 0:
+        raise ValueError("bundle chunks must be between 0 and 16, not %r" % (n,))
+    return old
+
+
 def set_log_stderr(on: bool) -> None:
     """Also print the VFS's log messages on stderr (debugging)."""
     lib.verneuil_vfs_set_log_stderr(1 if on else 0)

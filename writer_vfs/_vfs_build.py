@@ -13,7 +13,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CSRC = os.path.join(_ROOT, "csrc")
 
 # The C files of the VFS, shared with the loadable extension in setup.py.
-SOURCES = ["vfs.c", "tracker.c", "spool.c", "manifest_pb.c", "umash.c"]
+SOURCES = ["vfs.c", "tracker.c", "spool.c", "manifest_pb.c", "btree_tops.c", "umash.c"]
 CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-Wextra"]
 
 ffibuilder = FFI()
@@ -22,6 +22,7 @@ ffibuilder.cdef(
     int verneuil_vfs_register(const char *spool_dir, int make_default);
     int verneuil_vfs_register_from_env(void);
     void verneuil_vfs_set_gc_weight(double weight);
+    int verneuil_vfs_set_bundle_chunks(int n);
     void verneuil_vfs_set_log_stderr(int on);
     int verneuil_vfs_db_spool_dir(const char *spool_dir, const char *db_path,
         char *out, size_t cap);

@@ -315,7 +315,9 @@ class Copier:
         if age < self.touch_interval:
             return
         os.utime(path)  # claim this round before doing it
-        names = {fp.name for i, fp in enumerate(m.chunks) if i not in m.bundled}
+        # Chunk 0 is never uploaded; other bundled chunks (b-tree tops) are,
+        # and a later manifest may name them without bundling them.
+        names = {fp.name for i, fp in enumerate(m.chunks) if i != 0}
         if m.base_chunks_fprint is not None:
             names.add(m.base_chunks_fprint.name)
         names.discard(fmt.ZERO_CHUNK_NAME)
