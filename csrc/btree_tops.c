@@ -263,7 +263,9 @@ static uint32_t schema_rootpage(const struct walk *w, const uint8_t *pg,
 		if ((k = get_varint(q, hdr_end, &t)) == 0)
 			return 0;
 		q += k;
-		if ((n = serial_size(t)) < 0)
+		/* A value longer than the page cannot leave the rootpage on
+		 * it (and keeps the sums below small). */
+		if ((n = serial_size(t)) < 0 || n > (int64_t)w->usable)
 			return 0;
 		if (col < 3) {
 			skip += n;
@@ -274,9 +276,9 @@ static uint32_t schema_rootpage(const struct walk *w, const uint8_t *pg,
 			return 1;
 		if (t < 1 || t > 6)
 			return 0;
-		q = hdr_end + skip;
-		if (q + n > rec_end || q < hdr_end)
+		if (skip + n > rec_end - hdr_end)
 			return 0;
+		q = hdr_end + skip;
 		for (int64_t i = 0; i < n; i++)
 			v = (v << 8) | q[i];
 		if (q[0] & 0x80)

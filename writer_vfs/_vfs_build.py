@@ -24,14 +24,70 @@ ffibuilder.cdef(
     void verneuil_vfs_set_gc_weight(double weight);
     int verneuil_vfs_set_bundle_chunks(int n);
     void verneuil_vfs_set_log_stderr(int on);
+    int vn_test_btree_tops(const unsigned char *data, size_t size, size_t budget,
+        unsigned long long *out, size_t cap);
     int verneuil_vfs_db_spool_dir(const char *spool_dir, const char *db_path,
         char *out, size_t cap);
     const char *sqlite3_libversion(void);
     """
 )
+# Test hook (this module only, not the loadable extension): the b-tree tops
+# walk of csrc/btree_tops.c over a file in memory, so that tests can feed it
+# any bytes, including ones SQLite itself would refuse to open.  Returns the
+# number of chunks chosen (their indices in out), -1 if a read failed, -2 if
+# a chosen chunk's bytes are not the file's.
+_TEST_HOOK = r"""
+#include <stdlib.h>
+#include <string.h>
+#include "btree_tops.h"
+
+struct vn_test_file { const unsigned char *data; size_t size; };
+
+static int vn_test_read(void *ctx, uint8_t *buf, size_t len, uint64_t off)
+{
+    const struct vn_test_file *f = ctx;
+
+    if (off > f->size || len > f->size - off)
+        return -1;
+    memcpy(buf, f->data + off, len);
+    return 0;
+}
+
+int vn_test_btree_tops(const unsigned char *data, size_t size, size_t budget,
+    unsigned long long *out, size_t cap)
+{
+    struct vn_test_file f = { data, size };
+    uint8_t *bufs[VN_TOPS_MAX_CHUNKS] = { 0 };
+    uint8_t *page = malloc(VN_CHUNK_SIZE);
+    struct vn_tops tops;
+    int rc;
+
+    if (page == NULL)
+        return -1;
+    rc = vn_btree_tops(data, size < VN_CHUNK_SIZE ? size : VN_CHUNK_SIZE,
+        size, budget, vn_test_read, &f, bufs, page, &tops);
+    if (rc == 0) {
+        rc = (int)tops.n;
+        for (size_t k = 0; k < tops.n; k++) {
+            uint64_t off = tops.index[k] * VN_CHUNK_SIZE;
+            if (off >= size || tops.len[k] != (size - off < VN_CHUNK_SIZE ?
+                size - off : VN_CHUNK_SIZE) ||
+                memcmp(tops.data[k], data + off, tops.len[k]) != 0)
+                rc = -2;
+            if (k < cap)
+                out[k] = tops.index[k];
+        }
+    }
+    for (size_t i = 0; i < VN_TOPS_MAX_CHUNKS; i++)
+        free(bufs[i]);
+    free(page);
+    return rc;
+}
+"""
+
 ffibuilder.set_source(
     "writer_vfs._vfs",
-    '#include <sqlite3.h>\n#include "verneuil_vfs.h"',
+    '#include <sqlite3.h>\n#include "verneuil_vfs.h"\n' + _TEST_HOOK,
     sources=[os.path.relpath(os.path.join(_CSRC, s), _ROOT) for s in SOURCES],
     include_dirs=[_CSRC],
     libraries=["sqlite3"],
