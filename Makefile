@@ -8,7 +8,7 @@ PYTHON ?= .venv/bin/python
 bench:
 	$(PYTHON) scripts/bench_all.py --out docs/bench
 
-# The readers side by side on the 1 GiB database of issue 8 (docs/bench/1g): 21-25 minutes.
+# The readers side by side on the 1 GiB database of issue 8 (docs/bench/1g): 21-30 minutes.
 bench-1g:
 	$(PYTHON) scripts/bench_all.py --size-mb 1024 --only sync --only ceiling --only read --out docs/bench/1g
 

@@ -40,10 +40,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 from benchlib import drop_page_cache  # noqa: E402
-from replicas import Mount  # noqa: E402
+from replicas import Mount, replicate  # noqa: E402
 from s3server import S3Server, fake_aws_env, patched_environ  # noqa: E402
 
-import writer_vfs  # noqa: E402
 from verneuil_fuse.format import (  # noqa: E402
     CHUNK_SIZE,
     ZERO_CHUNK_FPRINT,
@@ -134,20 +133,9 @@ class Bench:
         return self.results
 
     def _upload(self, store, src):
-        """Replicate ``src`` for real: one commit through the C VFS (a full
-        snapshot, b-tree tops bundled as the writer chooses), then the
-        copier ships the spool to the store."""
-        from verneuil_fuse.copier import Copier
-
-        spool = os.path.join(self.tmp, "spool")
-        writer_vfs.register(spool)
-        con = writer_vfs.connect(src)
-        con.execute("PRAGMA user_version = 1")
-        con.commit()
-        con.close()
-        copier = Copier(spool, store, rate=0, workers=16)
-        copier.flush(timeout=3600)
-        copier.close()
+        """Replicate ``src`` for real: the C VFS, then a copier
+        (replicas.replicate)."""
+        replicate(store, src, os.path.join(self.tmp, "spool"))
         manifest = decode_and_validate(store.manifests.get(manifest_name(os.path.realpath(src),
                                                                          local_hostname())))
         self.results["bundled_chunks"] = sorted(manifest.bundled)

@@ -58,6 +58,29 @@ def publish(
     return Published(key, manifest, chunks, bytes(data))
 
 
+def replicate(store, db_path: str, spool: str, *, timeout: float = 3600) -> str:
+    """Replicate ``db_path`` for real: one commit through the C VFS (a full
+    snapshot, b-tree tops bundled as the writer chooses), then a copier ships
+    the spool into ``store``.  Returns the replica's path under a mount
+    (``/<hostname>/<real path>``)."""
+    import writer_vfs
+    from verneuil_fuse.copier import Copier
+    from verneuil_fuse.format import local_hostname
+
+    path = os.path.realpath(db_path)
+    writer_vfs.register(spool)
+    con = writer_vfs.connect(path)
+    con.execute("PRAGMA user_version = 1")
+    con.commit()
+    con.close()
+    copier = Copier(spool, store, rate=0, workers=16, create_spool=True)
+    try:
+        copier.flush(timeout=timeout)
+    finally:
+        copier.close()
+    return "/%s%s" % (local_hostname(), path)
+
+
 def publish_file(store, db_path: str, **kw) -> Published:
     with open(db_path, "rb") as f:
         data = f.read()

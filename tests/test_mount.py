@@ -25,6 +25,7 @@ from replicas import (
     make_db,
     pid_alive,
     publish,
+    replicate,
     stop_pid,
     unmount,
     wait_for,
@@ -57,25 +58,12 @@ class Env:
         return self.add_bytes(open(path, "rb").read(), "/data/" + name, host=host)
 
     def add_written_db(self, name: str, rows: int, *, seed: int = 0, **kw) -> str:
-        """A database replicated for real: one commit through the C VFS (a
-        full snapshot, b-tree tops bundled as the writer chooses), shipped
-        by the copier into the store."""
-        import writer_vfs
-        from verneuil_fuse import copier
-        from verneuil_fuse.format import local_hostname
-
+        """A database replicated for real by the C VFS and a copier
+        (replicas.replicate)."""
         path = os.path.realpath(os.path.join(self.root, "src", name))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         make_db(path, rows, seed=seed, **kw)
-        spool = os.path.join(self.root, "spool")
-        writer_vfs.register(spool)
-        con = writer_vfs.connect(path)
-        con.execute("PRAGMA user_version = 1")
-        con.commit()
-        con.close()
-        with copier.start_background(spool, self.store, rate=0) as bg:
-            bg.flush(timeout=60)
-        where = "/%s%s" % (local_hostname(), path)
+        where = replicate(self.store, path, os.path.join(self.root, "spool"), timeout=60)
         with open(path, "rb") as f:
             self.sources[where] = f.read()
         return where
@@ -304,32 +292,55 @@ def test_sequential_read_prefetches(env):
     assert hits >= nchunks // 2, (hits, nchunks)
 
 
+class _Page:
+    """A b-tree page of a database image (a parser of the tests' own, from the
+    file format, not the mount's): its kind, cells and right-most child."""
+
+    def __init__(self, data: bytes, page: int):
+        self.data = data
+        page_size = int.from_bytes(data[16:18], "big") or 65536
+        self.base = (page - 1) * page_size
+        hdr = self.base + (100 if page == 1 else 0)
+        self.kind = data[hdr]
+        self.interior = self.kind in (0x02, 0x05)
+        self.ncells = int.from_bytes(data[hdr + 3 : hdr + 5], "big")
+        self.right = int.from_bytes(data[hdr + 8 : hdr + 12], "big") if self.interior else 0
+        self._ptrs = hdr + (12 if self.interior else 8)
+
+    def cell(self, i: int) -> int:
+        """File offset of cell i."""
+        return self.base + int.from_bytes(self.data[self._ptrs + 2 * i : self._ptrs + 2 * i + 2], "big")
+
+    def left_child(self, i: int) -> int:
+        cell = self.cell(i)
+        return int.from_bytes(self.data[cell : cell + 4], "big")
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """SQLite's varint at ``pos``: (value, position after it)."""
+    v = 0
+    for _ in range(8):
+        v, pos = (v << 7) | (data[pos] & 0x7F), pos + 1
+        if data[pos - 1] < 0x80:
+            return v, pos
+    return (v << 8) | data[pos], pos + 1
+
+
 def _rowid_path(data: bytes, root: int, rowid: int) -> list[int]:
-    """The pages a lookup of ``rowid`` visits in a table b-tree (a walk of
-    its own, from the file format, not the mount's parser)."""
-    page_size = int.from_bytes(data[16:18], "big") or 65536
+    """The pages a lookup of ``rowid`` visits in a table b-tree."""
     path, page = [], root
     while True:
         path.append(page)
-        base = (page - 1) * page_size
-        hdr = base + (100 if page == 1 else 0)
-        kind = data[hdr]
-        if kind == 0x0D:  # table leaf
+        p = _Page(data, page)
+        if p.kind == 0x0D:  # table leaf
             return path
-        assert kind == 0x05, (page, kind)  # table interior
-        ncells = int.from_bytes(data[hdr + 3 : hdr + 5], "big")
-        child = int.from_bytes(data[hdr + 8 : hdr + 12], "big")  # right-most
-        for i in range(ncells):
-            cell = base + int.from_bytes(data[hdr + 12 + 2 * i : hdr + 14 + 2 * i], "big")
-            key, pos = 0, cell + 4
-            for _ in range(9):
-                key, pos = (key << 7) | (data[pos] & 0x7F), pos + 1
-                if data[pos - 1] < 0x80:
-                    break
+        assert p.kind == 0x05, (page, p.kind)  # table interior
+        page = p.right
+        for i in range(p.ncells):
+            key, _ = _varint(data, p.cell(i) + 4)
             if rowid <= key:
-                child = int.from_bytes(data[cell : cell + 4], "big")
+                page = p.left_child(i)
                 break
-        page = child
 
 
 def test_cold_point_query_gets(env):
@@ -365,46 +376,30 @@ def test_cold_point_query_gets(env):
 
 def _index_path(data: bytes, root: int, key: str) -> tuple[list[int], int]:
     """The pages a lookup of text ``key`` visits in an index b-tree of
-    (text, rowid) entries, and the rowid found (a walk of its own)."""
-    page_size = int.from_bytes(data[16:18], "big") or 65536
-
-    def varint(pos):
-        v = 0
-        for _ in range(8):
-            v, pos = (v << 7) | (data[pos] & 0x7F), pos + 1
-            if data[pos - 1] < 0x80:
-                return v, pos
-        return (v << 8) | data[pos], pos + 1
+    (text, rowid) entries, and the rowid found."""
 
     def entry(cell):  # (key, rowid) of a record of a text and an integer
-        _, pos = varint(cell)  # payload size
-        hsize, body = varint(pos)
-        ktype, p = varint(body)
-        rtype, _ = varint(p)
-        start = body - (body - pos) + hsize
+        _, pos = _varint(data, cell)  # payload size
+        hsize, body = _varint(data, pos)
+        ktype, at = _varint(data, body)
+        rtype, _ = _varint(data, at)
+        start = pos + hsize
         klen = (ktype - 13) // 2
         n = {1: 1, 2: 2, 3: 3, 4: 4, 5: 6, 6: 8}[rtype]
-        text = data[start : start + klen].decode()
-        return text, int.from_bytes(data[start + klen : start + klen + n], "big")
+        return data[start : start + klen].decode(), int.from_bytes(data[start + klen : start + klen + n], "big")
 
     path, page = [], root
     while True:
         path.append(page)
-        base = (page - 1) * page_size
-        hdr = base + (100 if page == 1 else 0)
-        kind = data[hdr]
-        assert kind in (0x02, 0x0A), (page, kind)
-        interior = kind == 0x02
-        ncells = int.from_bytes(data[hdr + 3 : hdr + 5], "big")
-        cells = hdr + (12 if interior else 8)
-        child = int.from_bytes(data[hdr + 8 : hdr + 12], "big") if interior else 0
-        for i in range(ncells):
-            cell = base + int.from_bytes(data[cells + 2 * i : cells + 2 * i + 2], "big")
-            k, rowid = entry(cell + 4 if interior else cell)
+        p = _Page(data, page)
+        assert p.kind in (0x02, 0x0A), (page, p.kind)
+        child = p.right
+        for i in range(p.ncells):
+            k, rowid = entry(p.cell(i) + 4 if p.interior else p.cell(i))
             if k == key:
                 return path, rowid
             if key < k:
-                child = int.from_bytes(data[cell : cell + 4], "big") if interior else 0
+                child = p.left_child(i) if p.interior else 0
                 break
         if not child:
             raise KeyError(key)
