@@ -28,6 +28,7 @@ class SpoolWriter:
         self.db_path = os.path.realpath(db_path)
         self.hostname = hostname
         self.name = fmt.manifest_name(self.db_path, hostname)
+        self.bundle: tuple[int, ...] = ()  # chunks bundled besides chunk 0
         root = os.path.join(spool_dir, sp.current_boot_root_name())
         self.db = sp.DbDir(root, sp.dbdir_name(self.db_path))
         for sub in ((sp.STAGING, sp.CHUNKS), (sp.STAGING, sp.META), (sp.STAGING, sp.SCRATCH)):
@@ -62,6 +63,8 @@ class SpoolWriter:
         st = os.stat(self.db_path)
         m, blobs = fmt.snapshot_of(data, version_id=version_id, ctime=int(st.st_ctime),
                                    ctime_ns=st.st_ctime_ns % 1_000_000_000)
+        for i in self.bundle:  # also bundled, as the C writer bundles b-tree tops
+            m.bundled[i] = data[i * fmt.CHUNK_SIZE : (i + 1) * fmt.CHUNK_SIZE]
         previous = self.staged_manifest()
         known = set(previous.chunks) if previous is not None else set()
         chunks_dir = self.db.sub(sp.STAGING, sp.CHUNKS)

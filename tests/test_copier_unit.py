@@ -295,6 +295,7 @@ def test_transient_errors_are_retried(env):
 
 def test_touch_about_once_a_day(env):
     tmp, spool, store, db, w = env
+    w.bundle = (4,)  # a b-tree top: bundled, and uploaded and touched like any chunk
     w.snapshot()
     c = copier(spool, store, touch_interval=3600)
     c.run_once()
@@ -310,6 +311,7 @@ def test_touch_about_once_a_day(env):
     c.run_once()
     c.run_once()
     m = fetch_manifest(store, w.name)
+    assert set(m.bundled) == {0, 4}
     live = {fp.name for i, fp in enumerate(m.chunks) if i != 0}
     assert c.stats.touches + c.stats.chunks_uploaded >= len(live)
     for name in live:
