@@ -356,10 +356,11 @@ static int read_for_tops(void *ctx, uint8_t *buf, size_t len, uint64_t off)
 
 /*
  * Chooses the chunks to bundle besides chunk 0 (btree_tops.h) into
- * b->tops.  Their bytes are read now, so each is fingerprinted again: a
- * chunk whose bytes differ from the list's fingerprint changed behind our
- * back (as the random re-hash in incremental() looks for), and is recorded
- * afresh, so that the manifest never bundles bytes its list does not name.
+ * b->tops: 0, or -1 on error.  Their bytes are read now, so each is
+ * fingerprinted again; a chunk whose bytes differ from the list's
+ * fingerprint changed behind our back (as the random re-hash in
+ * incremental() looks for): returns 1, and the caller rebuilds from a full
+ * scan, so that a manifest never bundles bytes its list does not name.
  */
 static int choose_bundled(struct build *b, size_t budget)
 {
@@ -379,12 +380,12 @@ static int choose_bundled(struct build *b, size_t budget)
 
 		if (fp.hash[0] != b->words[2 * i] ||
 		    fp.hash[1] != b->words[2 * i + 1]) {
-			vn_log(SQLITE_NOTICE, "verneuil: %s: chunk %llu changed "
-			    "behind our back; recording it afresh", t->path,
-			    (unsigned long long)i);
+			vn_log(SQLITE_NOTICE, "verneuil: %s: bundled chunk %llu "
+			    "changed behind our back; rebuilding the snapshot",
+			    t->path, (unsigned long long)i);
 			t->stats.verify_mismatch++;
-			if (record_chunk(b, i, tops->data[k], tops->len[k]) != 0)
-				return -1;
+			tops->n = 0;
+			return 1;
 		}
 	}
 	return 0;
@@ -683,7 +684,18 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 	}
 	if (!use_incremental && full_scan(&b) != 0)
 		goto fail;
-	if (choose_bundled(&b, config->bundle_chunks) != 0)
+	rc = choose_bundled(&b, config->bundle_chunks);
+	if (rc > 0) {
+		use_incremental = 0;
+		if (full_scan(&b) != 0)
+			goto fail;
+		/* Under our SHARED lock the file cannot change again: a second
+		 * mismatch cannot happen, and would only drop the bundles. */
+		rc = choose_bundled(&b, config->bundle_chunks);
+		if (rc > 0)
+			b.tops.n = 0;
+	}
+	if (rc < 0)
 		goto fail;
 
 	unchanged = use_incremental && !b.changed &&

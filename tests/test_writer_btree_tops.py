@@ -180,10 +180,11 @@ def test_damaged_interior_pages_never_break_a_snapshot(source, spool, tmp_path):
         assert len(m.bundled) - 1 == stats["bundled"] <= 16
 
 
-def test_a_bundled_chunk_changed_behind_our_back_is_recorded_afresh(source, spool, tmp_path):
+def test_a_bundled_chunk_changed_behind_our_back_forces_a_rebuild(source, spool, tmp_path):
     """A bundled chunk is read and fingerprinted at every commit: bytes that
     changed without a version change (so no dirty chunk says so) are caught
-    there, staged, and named by the new manifest."""
+    there, and the snapshot is rebuilt from a full scan (which would also
+    catch other chunks changed the same way)."""
     db = str(tmp_path / "sneaky.db")
     shutil.copy(source, db)
     m, _, data = snapshot(db, spool)
@@ -199,7 +200,7 @@ def test_a_bundled_chunk_changed_behind_our_back_is_recorded_afresh(source, spoo
         f.seek((p - 1) * page_size + page_size - 40)
         f.write(b"behind the VFS's back")
     m2, stats, _ = snapshot(db, spool)
-    assert stats["verify_mismatch"] >= 1
+    assert stats["verify_mismatch"] >= 1 and stats["full"] == 1 and stats["incremental"] == 0
     assert chunk in m2.bundled and m2.chunks[chunk] != m.chunks[chunk]
 
 
