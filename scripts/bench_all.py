@@ -20,10 +20,8 @@ with apt-get if they are missing.  Then measures, in this order:
 4. ceiling: what the store itself gives through the proxy: 64 KiB GETs/s
    with 16 threads, and one whole-object GET in MB/s;
 5. read: cold point query (indexed key), cold full scan, warm full scan
-   (page cache dropped: only each system's own cache helps), hot full scan
-   (the same once more, page cache kept)
    (same mount again, kernel page cache dropped: only each system's own
-   cache helps) for this mount, s3fs, rclone (vfs cache off and full),
+   cache helps), hot full scan (once more, page cache kept) for this mount, s3fs, rclone (vfs cache off and full),
    `verneuilctl restore` then query, and the local file; time, GETs and
    bytes from the proxy;
 6. fan-out: one aggregate query over --fanout-dbs replicated databases on a

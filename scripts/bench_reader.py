@@ -108,7 +108,7 @@ class Bench:
 
     def run(self) -> dict:
         a = self.args
-        src = self.src = os.path.realpath(os.path.join(self.tmp, "src.db"))
+        src = os.path.realpath(os.path.join(self.tmp, "src.db"))
         t = time.monotonic()
         rows = make_db(src, a.size_mb)
         data = open(src, "rb").read()
@@ -135,15 +135,14 @@ class Bench:
     def _upload(self, store, src):
         """Replicate ``src`` for real: the C VFS, then a copier
         (replicas.replicate)."""
-        replicate(store, src, os.path.join(self.tmp, "spool"))
-        manifest = decode_and_validate(store.manifests.get(manifest_name(os.path.realpath(src),
-                                                                         local_hostname())))
+        self.where = replicate(store, src, os.path.join(self.tmp, "spool"))
+        manifest = decode_and_validate(store.manifests.get(manifest_name(src, local_hostname())))
         self.results["bundled_chunks"] = sorted(manifest.bundled)
         self.chunk_names = sorted({fp.name for i, fp in enumerate(manifest.chunks)
                                    if i != 0 and fp != ZERO_CHUNK_FPRINT})
 
     def _db(self, m: Mount) -> str:
-        return m.path(local_hostname(), self.src)
+        return m.path(self.where)
 
     def _point_queries(self, rows):
         import random

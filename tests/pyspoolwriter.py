@@ -62,9 +62,7 @@ class SpoolWriter:
             data = f.read()
         st = os.stat(self.db_path)
         m, blobs = fmt.snapshot_of(data, version_id=version_id, ctime=int(st.st_ctime),
-                                   ctime_ns=st.st_ctime_ns % 1_000_000_000)
-        for i in self.bundle:  # also bundled, as the C writer bundles b-tree tops
-            m.bundled[i] = data[i * fmt.CHUNK_SIZE : (i + 1) * fmt.CHUNK_SIZE]
+                                   ctime_ns=st.st_ctime_ns % 1_000_000_000, bundle=self.bundle)
         previous = self.staged_manifest()
         known = set(previous.chunks) if previous is not None else set()
         chunks_dir = self.db.sub(sp.STAGING, sp.CHUNKS)

@@ -13,7 +13,6 @@ import time
 from typing import NamedTuple
 
 from verneuil_fuse.format import (
-    CHUNK_SIZE,
     Fprint,
     Manifest,
     compress_chunk,
@@ -47,9 +46,7 @@ def publish(
     the chunks of ``bundle`` are bundled in the manifest besides chunk 0 (as
     the C writer does with b-tree tops), and uploaded too."""
     now = time.time() if ctime is None else ctime
-    manifest, chunks = snapshot_of(data, ctime=int(now), ctime_ns=int((now % 1) * 1e9))
-    for i in bundle:
-        manifest.bundled[i] = bytes(data[i * CHUNK_SIZE : (i + 1) * CHUNK_SIZE])
+    manifest, chunks = snapshot_of(data, ctime=int(now), ctime_ns=int((now % 1) * 1e9), bundle=bundle)
     for fp, raw in chunks.items():
         store.chunks.put(fp.name, compress_chunk(raw) if compress else raw)
     blob = encode_manifest(manifest)

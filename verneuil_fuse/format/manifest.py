@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import zstandard
 
@@ -258,10 +258,11 @@ def decode_and_validate(blob: bytes,
 
 
 def snapshot_of(data, version_id: bytes = b"", ctime: int = 0, ctime_ns: int = 0,
-                ) -> tuple[Manifest, dict[Fprint, bytes]]:
+                bundle: Iterable[int] = ()) -> tuple[Manifest, dict[Fprint, bytes]]:
     """A writer's snapshot of `data` (a whole file): the manifest with chunk 0
     bundled, and the chunks to upload (neither chunk 0 nor the zero chunk,
-    unless another chunk shares chunk 0's bytes)."""
+    unless another chunk shares chunk 0's bytes).  The chunks of `bundle` are
+    bundled too (as the C writer bundles b-tree tops), and still uploaded."""
     view = memoryview(data)
     if len(view) == 0:
         raise ValueError("an empty file has no snapshot")
@@ -278,4 +279,6 @@ def snapshot_of(data, version_id: bytes = b"", ctime: int = 0, ctime_ns: int = 0
                  contents_fprint=contents_fprint_of(chunks),
                  version_id=version_id, ctime=ctime, ctime_ns=ctime_ns,
                  bundled={0: bytes(view[:CHUNK_SIZE])})
+    for index in bundle:
+        m.bundled[index] = bytes(view[index * CHUNK_SIZE:(index + 1) * CHUNK_SIZE])
     return m, blobs
