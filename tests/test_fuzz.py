@@ -403,7 +403,7 @@ def test_verneuil_config_env(value, how):
 
 # --------------------------------------------------------------- mount options
 
-OWN_OPTIONS = ["cache_dir", "cache_size", "mem_cache", "refresh", "readahead", "readahead_max",
+OWN_OPTIONS = ["cache_dir", "cache_size", "mem_cache", "refresh", "readahead", "readahead_max", "cache_readahead_max",
                "btree_prefetch", "btree_max", "concurrency", "prefetch_concurrency", "retries",
                "timeout", "hydrate", "entry_timeout", "read_ahead_kb", "log_file", "log_level"]
 FUSE_OPTIONS = ["ro", "rw", "allow_other", "allow_root", "default_permissions", "auto_unmount",
@@ -436,7 +436,7 @@ def _mount_gate(argv):
     for name in ("refresh", "timeout", "entry_timeout"):
         v = getattr(opts, name)
         assert math.isfinite(v) and v >= 0, (name, v)
-    for name in ("cache_size", "mem_cache", "readahead_max", "btree_max", "concurrency", "retries"):
+    for name in ("cache_size", "mem_cache", "readahead_max", "cache_readahead_max", "btree_max", "concurrency", "retries"):
         assert getattr(opts, name) >= 0, name
 
 

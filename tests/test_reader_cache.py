@@ -72,6 +72,58 @@ def test_damaged_bytes_are_a_miss_never_served(tmp_path):
     e.close()
 
 
+def test_read_into_reads_back_to_back_chunks_with_one_call(tmp_path, monkeypatch):
+    """`read_into` fills the caller's buffers with verified bytes: chunks
+    stored back to back are read by one preadv, a damaged chunk inside such a
+    run is dropped alone, a chunk not cached or of another length is left
+    alone. The preadv stand-in only counts calls (the reads are real)."""
+    items = chunks(8, seed=5) + chunks(1, seed=6, size=1000)
+    c = ChunkCache(str(tmp_path), 1 << 30)
+    for fp, data in items:
+        c.put(fp, data)
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off, flags=0: calls.append(len(bufs)) or real(fd, bufs, off, flags))
+
+    def read(order, nowait=False, sizes=None):
+        bufs = [bytearray(len(items[i][1]) if sizes is None else sizes[k]) for k, i in enumerate(order)]
+        ok = c.read_into([items[i][0] for i in order], [memoryview(b) for b in bufs], nowait=nowait)
+        return ok, bufs
+
+    # In file order: one call for all nine chunks (the short one included).
+    ok, bufs = read(range(9))
+    assert ok == [True] * 9 and [bytes(b) for b in bufs] == [d for _, d in items] and calls == [9]
+    # Out of order: one call per run of neighbours; same bytes.
+    calls.clear()
+    ok, bufs = read([0, 1, 2, 6, 7, 3])
+    assert ok == [True] * 6 and calls == [3, 2, 1]
+    assert [bytes(b) for b in bufs] == [items[i][1] for i in (0, 1, 2, 6, 7, 3)]
+    # Without waiting (the bytes were just written: in the page cache), or
+    # left for a blocking read: never other bytes.
+    ok, bufs = read(range(8), nowait=True)
+    assert all(bytes(b) == items[i][1] for i, b in enumerate(bufs) if ok[i])
+    # A destination of another length, or a chunk the cache does not hold.
+    other = chunks(1, seed=7)[0][0]
+    bufs = [bytearray(100), bytearray(CHUNK_SIZE)]
+    assert c.read_into([items[0][0], other], [memoryview(b) for b in bufs]) == [False, False]
+    assert bufs == [bytearray(100), bytearray(CHUNK_SIZE)]
+    # A damaged chunk in the middle of a run: dropped and logged, not served.
+    c.close()
+    seg = os.path.join(segdir(tmp_path), files(tmp_path, ".seg")[0])
+    with open(seg, "r+b") as f:
+        f.seek(3 * CHUNK_SIZE + 77)
+        b = f.read(1)
+        f.seek(3 * CHUNK_SIZE + 77)
+        f.write(bytes([b[0] ^ 0x40]))
+    c = ChunkCache(str(tmp_path), 1 << 30)
+    calls.clear()
+    ok, bufs = read(range(8))
+    assert ok == [True] * 3 + [False] + [True] * 4 and calls == [8]
+    assert [bytes(b) for k, b in enumerate(bufs) if k != 3] == [d for k, (_, d) in enumerate(items[:8]) if k != 3]
+    assert c.stats["corrupt"] == 1 and not c.contains(items[3][0])
+    c.close()
+
+
 def test_crash_leftovers_are_skipped(tmp_path):
     items = chunks(4)
     c = ChunkCache(str(tmp_path), 1 << 30)

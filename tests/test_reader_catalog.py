@@ -140,6 +140,54 @@ def test_sequential_readahead(tmp_path, local_store):
     assert stats["store_fetches"] == len(pub.chunks)  # nothing fetched twice
 
 
+def test_cache_readahead_runs_ahead_of_the_store_readahead(tmp_path, local_store):
+    """A sequential read advises chunks already in the disk cache up to
+    ``cache_readahead_max`` ahead (no GET: a kernel readahead of the cache's
+    files), while GETs of chunks not cached stay within ``readahead_max``."""
+    from verneuil_fuse.cache import ChunkCache
+
+    pub = publish(local_store, os.urandom(40 * CHUNK_SIZE), "/ra.db")
+    index = {fp: i for i, fp in enumerate(pub.manifest.chunks)}
+    cache = ChunkCache(str(tmp_path / "cache"), 1 << 30)
+    for i, fp in enumerate(pub.manifest.chunks[:30]):
+        cache.put(fp, pub.data[i * CHUNK_SIZE : (i + 1) * CHUNK_SIZE])
+    config = PrefetchConfig(btree=False, readahead_max=4, cache_readahead_max=16)
+    hints: list[tuple[int, int, bool, bool]] = []  # (last chunk read, chunk, fetch, advise)
+
+    async def main():
+        fetcher = Fetcher(local_store, cache)
+        real = fetcher.prefetch
+        last = [0]
+
+        def prefetch(fps, fetch=True, advise=True):
+            fps = list(fps)
+            hints.extend((last[0], index[fp], fetch, advise) for fp in fps)
+            return real(fps, fetch=fetch, advise=advise)
+
+        fetcher.prefetch = prefetch
+        async with trio.open_nursery() as nursery:
+            fetcher.bind(nursery)
+            cat = Catalog(fetcher, prefetch=config)
+            cat.bind(nursery)
+            await cat.refresh()
+            r = next(e.current for e in cat.entries.values())
+            cursor = Cursor()
+            for off in range(0, r.size, 2 * CHUNK_SIZE):
+                last[0] = (off + 2 * CHUNK_SIZE - 1) // CHUNK_SIZE
+                assert await r.read(off, 2 * CHUNK_SIZE, cursor) == pub.data[off : off + 2 * CHUNK_SIZE]
+            nursery.cancel_scope.cancel()
+        return fetcher.stats
+
+    stats = trio.run(main)
+    fetchable = [(last, i) for last, i, fetch, _ in hints if fetch]
+    advisable = [(last, i) for last, i, _, advise in hints if advise]
+    assert fetchable and all(i <= last + 4 for last, i in fetchable)
+    assert all(i <= last + 16 for last, i in advisable)
+    assert max(i - last for last, i in advisable) == 16  # the cache window opened fully
+    assert {i for _, i in advisable} >= set(range(6, 30))  # every cached chunk ahead, once at least
+    assert stats["gets"] == 10 and stats["prefetch_started"] > 0  # the 10 chunks not cached
+
+
 def test_btree_prefetch_follows_a_scan_not_a_point_query(tmp_path, local_store):
     pub = _scan_db(tmp_path, local_store)
     data = pub.data

@@ -243,3 +243,37 @@ def test_prefetch_of_cached_chunks_asks_the_kernel_in_one_hop(chunks, tmp_path):
     assert run(g, go) == [pub.chunks[fp] for fp in fps]
     assert calls == [len(fps)] and g.stats["prefetch_advised"] == len(fps)
     assert store.chunks.gets == [] and g.stats["disk_hits_inline"] == len(fps)
+
+
+def test_read_into_takes_each_chunk_from_where_it_is(chunks, tmp_path):
+    """One read request's chunks: from memory, straight from the disk cache
+    (no GET, no memory copy kept), from the store when not cached; a chunk
+    that cannot be had fails the whole request, never with other bytes."""
+    store, fps, pub = chunks
+    cache = ChunkCache(str(tmp_path / "c"), 1 << 26)
+    for fp in fps[1:3]:
+        cache.put(fp, pub.chunks[fp])
+    f = Fetcher(store, cache)
+    f.mem.put(fps[0], pub.chunks[fps[0]])
+    want = fps[:4]
+    bufs = [bytearray(len(pub.chunks[fp])) for fp in want]
+
+    async def go():
+        await f.read_into(want, [memoryview(b) for b in bufs])
+
+    run(f, go)
+    assert [bytes(b) for b in bufs] == [pub.chunks[fp] for fp in want]
+    assert store.chunks.gets == [fps[3].name]
+    assert f.stats["mem_hits"] == 1 and f.stats["disk_hits"] == 2 and f.stats["requests"] == 4
+    assert fps[1] not in f.mem and fps[3] in f.mem
+    # A chunk that fails verification in the store: FetchError for the request.
+    store.chunks.fail[fps[4].name] = [compress_chunk(b"x" * 100)] * 5
+    bufs = [bytearray(len(pub.chunks[fp])) for fp in fps[1:5]]
+
+    async def failing():
+        with pytest.raises(FetchError):
+            await f.read_into(fps[1:5], [memoryview(b) for b in bufs])
+        return True
+
+    assert run(f, failing)
+    assert f.stats["corrupt"] == 5 and bufs[3] == bytearray(len(pub.chunks[fps[4]]))

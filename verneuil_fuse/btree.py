@@ -25,6 +25,8 @@ INTERIOR_INDEX = 2
 INTERIOR_TABLE = 5
 LEAF_INDEX = 10
 LEAF_TABLE = 13
+INTERIOR_INDEX_BYTE = bytes((INTERIOR_INDEX,))
+INTERIOR_TABLE_BYTE = bytes((INTERIOR_TABLE,))
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -82,13 +84,22 @@ def interior_pages(
     """(page number, children) for every interior b-tree page wholly inside
     ``data``, which starts at file offset ``first_offset``."""
     start = -first_offset % page_size  # first page boundary inside data
+    count = (len(data) - start) // page_size
+    if count <= 0:
+        return
     view = memoryview(data)  # pages are parsed in place, not copied
-    for off in range(start, len(data) - page_size + 1, page_size):
-        page_no = (first_offset + off) // page_size + 1
-        # Cheap pre-check on the type byte before slicing the page.
-        kind = data[off + (100 if page_no == 1 else 0)]
+    first_no = (first_offset + start) // page_size + 1
+    # Every page's type byte in one strided copy, so that a chunk of leaves
+    # (nearly all of them) costs two searches, not a Python loop per page.
+    kinds = view[start : start + count * page_size : page_size].tobytes()
+    if first_no == 1:  # page 1's b-tree header follows the database header
+        kinds = bytes((data[start + 100],)) + kinds[1:]
+    if INTERIOR_TABLE_BYTE not in kinds and INTERIOR_INDEX_BYTE not in kinds:
+        return
+    for j, kind in enumerate(kinds):
         if kind != INTERIOR_TABLE and kind != INTERIOR_INDEX:
             continue
-        children = interior_children(view[off : off + page_size], page_no, max_page)
+        off = start + j * page_size
+        children = interior_children(view[off : off + page_size], first_no + j, max_page)
         if children is not None:
-            yield page_no, children
+            yield first_no + j, children

@@ -153,64 +153,101 @@ class ChunkCache:
             if loc is None:
                 self.stats["misses"] += 1
                 return None
-            seg, off, length = loc
-            try:
-                fd = self._read_fd_locked(seg)
-            except OSError as e:
-                log.warning("cache segment %s is unreadable (%s): dropping it", seg.name, e)
-                self._drop_locked(seg)
-                self.stats["misses"] += 1
-                return None
-            seg.readers += 1
-        try:
-            data = os.pread(fd, length, off)
-        except OSError as e:
-            log.warning("cannot read chunk %016x/%016x from cache segment %s: %s", fp.major, fp.minor, seg.name, e)
-            data = b""
-        finally:
-            with self._lock:
-                self._release_locked(seg)
-        if len(data) != length or fingerprint(data) != fp:
-            log.warning("dropping damaged cache entry for chunk %016x/%016x (segment %s)", fp.major, fp.minor, seg.name)
-            with self._lock:
-                self.stats["corrupt"] += 1
-                self.stats["misses"] += 1
-                if self._index.get(fp) == loc:
-                    del self._index[fp]
+        buf = bytearray(loc[2])
+        if not self.read_into([fp], [memoryview(buf)])[0]:
             return None
-        with self._lock:
-            self.stats["hits"] += 1
-        return data
+        return bytes(buf)
 
-    def get_nowait(self, fp: Fprint) -> bytes | bytearray | None:
+    def get_nowait(self, fp: Fprint) -> bytearray | None:
         """The chunk's verified bytes if they are cached *and* in the kernel's
-        page cache (``RWF_NOWAIT``: no disk I/O, so the trio thread may call
-        it), else None. Never rescans, never blocks on the disk. The result
-        is a bytearray that must be treated as read-only."""
+        page cache (see `read_into`), else None. The result is a bytearray
+        that must be treated as read-only."""
+        loc = self._index.get(fp)
+        if loc is None:
+            return None
+        buf = bytearray(loc[2])
+        return buf if self.read_into([fp], [memoryview(buf)], nowait=True)[0] else None
+
+    def read_into(self, fps: list[Fprint], dests: list[memoryview], nowait: bool = False) -> list[bool]:
+        """Read cached chunks into the caller's buffers: ``dests[k]``, a
+        writable view of exactly the chunk's length, receives the verified
+        bytes of ``fps[k]``. Returns, per chunk, whether it did; a chunk that
+        is not cached (or has another length) is left alone, a damaged one is
+        dropped from the index (after a blocking read) and logged.
+
+        Chunks stored back to back in one segment, as a scan stores them, are
+        read with one ``preadv`` into their destinations: no copy besides the
+        kernel's, one system call and one lock round for a whole FUSE read
+        request instead of one per chunk, which is what bounds a warm read in
+        the mount's single Python thread.
+
+        With ``nowait`` the reads use ``RWF_NOWAIT``: only bytes already in
+        the kernel's page cache, never a wait on the disk, so the trio thread
+        may call it; a chunk that would block is left for a blocking call
+        from a worker thread. Never rescans the directory."""
+        ok = [False] * len(fps)
+        # Runs of chunks back to back in one segment: [seg, fd, offset, bytes, [k...]].
+        runs: list[list] = []
         with self._lock:
-            loc = self._index.get(fp)
-            if loc is None or loc[0].fd < 0:
-                return None
-            seg, off, length = loc
-            fd = seg.fd
-            seg.readers += 1
-        buf = bytearray(length)
+            index = self._index
+            for k, fp in enumerate(fps):
+                loc = index.get(fp)
+                if loc is None or loc[2] != len(dests[k]):
+                    continue
+                seg, off, length = loc
+                if seg.fd < 0:
+                    if nowait:
+                        continue
+                    try:
+                        self._read_fd_locked(seg)
+                    except OSError as e:
+                        log.warning("cache segment %s is unreadable (%s): dropping it", seg.name, e)
+                        self._drop_locked(seg)
+                        continue
+                last = runs[-1] if runs else None
+                if last is not None and last[0] is seg and last[2] + last[3] == off:
+                    last[3] += length
+                    last[4].append(k)
+                else:
+                    seg.readers += 1
+                    runs.append([seg, seg.fd, off, length, [k]])
+        flags = os.RWF_NOWAIT if nowait else 0
+        damaged: list[tuple[int, _Segment]] = []  # blocking reads only
+        hits = 0
         try:
-            n = os.preadv(fd, [buf], off, os.RWF_NOWAIT)
-        except OSError:  # EAGAIN (would block), EOPNOTSUPP, ...
-            n = -1
+            for seg, fd, off, total, ks in runs:
+                try:
+                    got = os.preadv(fd, [dests[k] for k in ks], off, flags)
+                except OSError as e:  # EAGAIN (would block), EOPNOTSUPP, EIO ...
+                    if not nowait:
+                        log.warning("cannot read %d bytes at %d of cache segment %s: %s", total, off, seg.name, e)
+                    got = 0
+                pos = off
+                for k in ks:
+                    pos += len(dests[k])
+                    if pos > off + got:
+                        break  # a short read: not in the page cache (nowait), or torn
+                    if fingerprint(dests[k]) == fps[k]:
+                        ok[k] = True
+                        hits += 1
+                if not nowait:
+                    damaged.extend((k, seg) for k in ks if not ok[k])
         finally:
             with self._lock:
-                self._release_locked(seg)
-        if n != length:
-            return None  # let a worker thread do the blocking read (and checks)
-        if fingerprint(buf) != fp:
-            return None  # get() in a thread will drop it and log
-        with self._lock:
-            self.stats["hits"] += 1
-        # The buffer itself, not a bytes copy: nobody writes to it from here
-        # on (replies and the memory LRU only read it).
-        return buf  # type: ignore[return-value]
+                for run in runs:
+                    self._release_locked(run[0])
+                self.stats["hits"] += hits
+                if not nowait:
+                    self.stats["misses"] += len(damaged)
+                    self.stats["corrupt"] += len(damaged)
+                    for k, seg in damaged:
+                        fp = fps[k]
+                        log.warning("dropping damaged cache entry for chunk %016x/%016x (segment %s)",
+                                    fp.major, fp.minor, seg.name)
+                        loc = self._index.get(fp)
+                        if loc is not None and loc[0] is seg:
+                            del self._index[fp]
+        return ok
 
     def has(self, fp: Fprint) -> bool:
         """Whether the index names this chunk (in memory: no I/O, no rescan)."""

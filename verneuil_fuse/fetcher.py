@@ -205,31 +205,107 @@ class Fetcher:
         self._used(fp)
         return flight.data
 
-    def prefetch(self, fps: Iterable[Fprint]) -> int:
+    async def read_into(self, fps: list[Fprint], dests: list[memoryview]) -> None:
+        """Fill ``dests[k]`` (a writable view of the chunk's length) with the
+        verified bytes of ``fps[k]``, for the chunks of one read request.
+
+        Chunks in the disk cache are read straight into the destinations, in
+        as few system calls as their places in the segments allow: first what
+        the page cache holds, in this thread; then the rest in one worker
+        thread hop. Chunks in memory are copied; the others (not cached, under
+        way, damaged) go through `get_waiting`, in parallel. Disk hits are not
+        kept in memory: the kernel's page cache keeps the segment's pages.
+        Raises FetchError if one chunk cannot be obtained."""
+        n = len(fps)
+        cache = self.cache
+        stats = self.stats
+        done = [False] * n
+        disk: list[int] = []
+        for k, fp in enumerate(fps):
+            data = self.mem.get(fp)
+            if data is not None:
+                dests[k][:] = data
+                done[k] = True
+                stats["mem_hits"] += 1
+            elif cache is not None and fp not in self._inflight and cache.has(fp):
+                disk.append(k)
+        if disk:
+            ok = cache.read_into([fps[k] for k in disk], [dests[k] for k in disk], nowait=True)
+            for k, hit in zip(disk, ok):
+                done[k] = hit
+            inline = sum(ok)
+            stats["disk_hits"] += inline
+            stats["disk_hits_inline"] += inline
+            rest = [k for k in disk if not done[k]]
+            if rest:
+                ok = await trio.to_thread.run_sync(
+                    cache.read_into, [fps[k] for k in rest], [dests[k] for k in rest], limiter=self.cache_limiter
+                )
+                for k, hit in zip(rest, ok):
+                    done[k] = hit
+                stats["disk_hits"] += sum(ok)
+        stats["requests"] += n
+        for k in range(n):
+            if done[k]:
+                self._used(fps[k])
+        missing = [k for k in range(n) if not done[k]]
+        if not missing:
+            return
+        stats["requests"] -= len(missing)  # get_waiting counts them
+        errors: list[FetchError] = []
+
+        async def one(k: int) -> None:
+            try:
+                data = await self.get_waiting(fps[k])
+            except FetchError as e:
+                errors.append(e)
+                return
+            if len(data) != len(dests[k]):
+                errors.append(FetchError("chunk %s has %d bytes, not %d" % (chunk_name(fps[k]), len(data), len(dests[k]))))
+                return
+            dests[k][:] = data
+
+        if len(missing) == 1:
+            await one(missing[0])
+        else:
+            async with trio.open_nursery() as nursery:
+                for k in missing:
+                    nursery.start_soon(one, k)
+        if errors:
+            raise errors[0]
+
+    def prefetch(self, fps: Iterable[Fprint], *, fetch: bool = True, advise: bool = True) -> int:
         """Start fetching chunks in the background, skipping those in memory
         or under way; for chunks in the disk cache, ask the kernel to read
         them into its page cache instead (no GET, no thread per chunk).
-        Returns how many flights (GETs) were started."""
+        ``fetch=False`` only advises the cached chunks, ``advise=False`` only
+        fetches the others. Returns how many flights (GETs) were started."""
         started = 0
-        advise: list[Fprint] = []
+        to_advise: list[Fprint] = []
         cache = self.cache
         for fp in fps:
-            self.stats["prefetch_requested"] += 1
             if fp in self.mem or fp in self._inflight:
-                self.stats["prefetch_skipped"] += 1
+                if fetch:
+                    self.stats["prefetch_requested"] += 1
+                    self.stats["prefetch_skipped"] += 1
                 continue
             if cache is not None and cache.has(fp):
-                advise.append(fp)
+                if advise:
+                    to_advise.append(fp)
                 continue
+            if not fetch:
+                continue
+            self.stats["prefetch_requested"] += 1
             if self._prefetch_flights >= self.max_prefetch_flights:
                 self.stats["prefetch_dropped"] += 1
                 continue
             self._start(fp, prefetch=True)
             started += 1
         self.stats["prefetch_started"] += started
-        if advise:
-            self.stats["prefetch_advised"] += len(advise)
-            self._to_advise.extend(advise)
+        if to_advise:
+            self.stats["prefetch_requested"] += len(to_advise)
+            self.stats["prefetch_advised"] += len(to_advise)
+            self._to_advise.extend(to_advise)
             if not self._advising:
                 assert self._nursery is not None
                 self._advising = True

@@ -59,6 +59,9 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
                           databases and versions (default 10)
   readahead=on|off        sequential readahead (default on)
   readahead_max=N         largest readahead window, in 64 KiB chunks (default 32)
+  cache_readahead_max=N   largest readahead window for chunks already in the
+                          disk cache (no GET: the kernel reads them ahead from
+                          the cache's files), in chunks (default 256)
   btree_prefetch=on|off   B-tree-aware prefetch of the sibling pages a scan
                           reads next (default on)
   btree_max=N             largest B-tree prefetch window, in chunks (default 32)
@@ -108,6 +111,7 @@ class Options:
     refresh: float = 10.0
     readahead: bool = True
     readahead_max: int = 32
+    cache_readahead_max: int = 256
     btree_prefetch: bool = True
     btree_max: int = 32
     concurrency: int = 16
@@ -186,6 +190,7 @@ _OWN = {
     "refresh": _seconds,
     "readahead": _bool,
     "readahead_max": _nonneg_int,
+    "cache_readahead_max": _nonneg_int,
     "btree_prefetch": _bool,
     "btree_max": _nonneg_int,
     "concurrency": _positive_int,
@@ -418,6 +423,7 @@ async def serve(opts: Options, store, ready) -> None:
         readahead=opts.readahead and opts.readahead_max > 0,
         btree=opts.btree_prefetch and opts.btree_max > 0,
         readahead_max=max(1, opts.readahead_max),
+        cache_readahead_max=opts.cache_readahead_max,
         btree_max=max(1, opts.btree_max),
     )
     catalog = Catalog(fetcher, refresh_interval=opts.refresh, prefetch=prefetch, hydrate=opts.hydrate)
