@@ -460,9 +460,9 @@ def _bdi_read_ahead_kb(mountpoint: str) -> str:
 
 
 def test_kernel_readahead_is_raised(env):
-    """The mount raises its readahead from libfuse's 128 KiB to 1 MiB (set
+    """The mount raises its readahead from libfuse's 128 KiB to 4 MiB (set
     after the FUSE INIT reply, which would otherwise cap it again)."""
-    wait_for(lambda: _bdi_read_ahead_kb(env.mount.mountpoint) == "1024", 10, "read_ahead_kb=1024")
+    wait_for(lambda: _bdi_read_ahead_kb(env.mount.mountpoint) == "4096", 10, "read_ahead_kb=4096")
 
 
 def test_mount_helper_and_fstab(env):
