@@ -93,11 +93,14 @@ def test_read_into_reads_back_to_back_chunks_with_one_call(tmp_path, monkeypatch
     # In file order: one call for all nine chunks (the short one included).
     ok, bufs = read(range(9))
     assert ok == [True] * 9 and [bytes(b) for b in bufs] == [d for _, d in items] and calls == [9]
-    # Out of order: one call per run of neighbours; same bytes.
+    # Out of order: one call per run of neighbours in the segment; same bytes.
     calls.clear()
-    ok, bufs = read([0, 1, 2, 6, 7, 3])
-    assert ok == [True] * 6 and calls == [3, 2, 1]
-    assert [bytes(b) for b in bufs] == [items[i][1] for i in (0, 1, 2, 6, 7, 3)]
+    ok, bufs = read([0, 6, 2, 1, 7, 3])
+    assert ok == [True] * 6 and calls == [4, 2]
+    assert [bytes(b) for b in bufs] == [items[i][1] for i in (0, 6, 2, 1, 7, 3)]
+    # The same chunk twice in one request (two equal chunks of a file).
+    ok, bufs = read([4, 4, 5])
+    assert ok == [True] * 3 and [bytes(b) for b in bufs] == [items[4][1], items[4][1], items[5][1]]
     # Without waiting (the bytes were just written: in the page cache), or
     # left for a blocking read: never other bytes.
     ok, bufs = read(range(8), nowait=True)

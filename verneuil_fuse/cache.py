@@ -175,8 +175,8 @@ class ChunkCache:
         is not cached (or has another length) is left alone, a damaged one is
         dropped from the index (after a blocking read) and logged.
 
-        Chunks stored back to back in one segment, as a scan stores them, are
-        read with one ``preadv`` into their destinations: no copy besides the
+        Chunks stored back to back in one segment (in any order), as a scan
+        stores them, are read with one ``preadv`` into their destinations: no copy besides the
         kernel's, one system call and one lock round for a whole FUSE read
         request instead of one per chunk, which is what bounds a warm read in
         the mount's single Python thread.
@@ -190,6 +190,7 @@ class ChunkCache:
         runs: list[list] = []
         with self._lock:
             index = self._index
+            found: list[tuple[str, int, int, int, _Segment]] = []  # sorts without comparing segments
             for k, fp in enumerate(fps):
                 loc = index.get(fp)
                 if loc is None or loc[2] != len(dests[k]):
@@ -204,13 +205,20 @@ class ChunkCache:
                         log.warning("cache segment %s is unreadable (%s): dropping it", seg.name, e)
                         self._drop_locked(seg)
                         continue
-                last = runs[-1] if runs else None
+                found.append((seg.name, off, k, length, seg))
+            # In segment order, not in the order asked: parallel fetches store
+            # a scan's chunks close together but shuffled (a warm scan of a
+            # 475 MiB replica read 1954 runs this way instead of 6961).
+            found.sort()
+            last: list | None = None
+            for _, off, k, length, seg in found:
                 if last is not None and last[0] is seg and last[2] + last[3] == off:
                     last[3] += length
                     last[4].append(k)
                 else:
                     seg.readers += 1
-                    runs.append([seg, seg.fd, off, length, [k]])
+                    last = [seg, seg.fd, off, length, [k]]
+                    runs.append(last)
         flags = os.RWF_NOWAIT if nowait else 0
         damaged: list[tuple[int, _Segment]] = []  # blocking reads only
         hits = 0
