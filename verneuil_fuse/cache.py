@@ -176,10 +176,11 @@ class ChunkCache:
         dropped from the index (after a blocking read) and logged.
 
         Chunks stored back to back in one segment (in any order), as a scan
-        stores them, are read with one ``preadv`` into their destinations: no copy besides the
-        kernel's, one system call and one lock round for a whole FUSE read
-        request instead of one per chunk, which is what bounds a warm read in
-        the mount's single Python thread.
+        stores them, are read with one ``preadv`` into their destinations: no
+        copy besides the kernel's, one lock round for a whole FUSE read
+        request and one system call per run instead of one each per chunk
+        (per-chunk work is what bounds a warm read in the mount's single
+        Python thread).
 
         With ``nowait`` the reads use ``RWF_NOWAIT``: only bytes already in
         the kernel's page cache, never a wait on the disk, so the trio thread

@@ -261,7 +261,8 @@ class Fetcher:
                 errors.append(e)
                 return
             if len(data) != len(dests[k]):
-                errors.append(FetchError("chunk %s has %d bytes, not %d" % (chunk_name(fps[k]), len(data), len(dests[k]))))
+                name = chunk_name(fps[k])
+                errors.append(FetchError("chunk %s has %d bytes, not %d" % (name, len(data), len(dests[k]))))
                 return
             dests[k][:] = data
 

@@ -11,6 +11,8 @@ served, and the fetcher skips chunks already cached or under way):
 - sequential readahead per open handle (`Cursor`): once reads in file order
   have entered two new chunks, fetch the next chunks ahead; the window doubles on every sequential
   read up to ``readahead_max`` chunks and drops to nothing on a random read;
+  chunks already in the disk cache cost no GET and have a wider window
+  (``cache_readahead_max``), in which they are only advised to the kernel;
 - b-tree readahead per replica: every chunk read on demand is parsed for
   interior b-tree pages (`btree.py`), which gives each child page its parent
   and position. When reads go from one child to the next of the same parent
@@ -24,10 +26,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import trio
-
 from verneuil_fuse import btree
-from verneuil_fuse.fetcher import FetchError, Fetcher
+from verneuil_fuse.fetcher import Fetcher
 from verneuil_fuse.format import CHUNK_SIZE, ZERO_CHUNK_FPRINT, Fprint, Manifest
 
 log = logging.getLogger(__name__)
