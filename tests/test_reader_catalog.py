@@ -185,6 +185,15 @@ def test_cache_readahead_runs_ahead_of_the_store_readahead(tmp_path, local_store
     assert all(i <= last + 16 for last, i in advisable)
     assert max(i - last for last, i in advisable) == 16  # the cache window opened fully
     assert {i for _, i in advisable} >= set(range(6, 30))  # every cached chunk ahead, once at least
+    # Once the window is open, advised in steps of half a window or more (each
+    # step is a thread hop), not a step per read; only the file's end cuts one.
+    steps: dict[int, list[int]] = {}
+    for last, i in advisable:
+        steps.setdefault(last, []).append(i)
+    opened = min(last for last, i in advisable if i - last == 16)
+    later = [sorted(v) for last, v in steps.items() if last > opened]
+    assert later and all(len(v) >= 8 or v[-1] == 39 for v in later), steps
+    assert len(later) < len([last for last in range(opened + 2, 40, 2)])  # fewer steps than reads
     assert stats["gets"] == 10 and stats["prefetch_started"] > 0  # the 10 chunks not cached
 
 

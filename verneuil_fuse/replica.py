@@ -76,7 +76,7 @@ class _BtreeMap:
     page_size: int
     max_page: int
     children: dict[int, list[int]] = field(default_factory=dict)
-    parent: dict[int, tuple[int, int]] = field(default_factory=dict)
+    parent: dict[int, int] = field(default_factory=dict)  # child page -> interior page
     scans: dict[int, _Scan] = field(default_factory=dict)
     parsed: set[int] = field(default_factory=set)
 
@@ -252,6 +252,11 @@ class Replica:
                 )
                 fetch_stop = min(last + cursor.window, self.nchunks - 1)
                 advise_stop = min(last + cursor.cache_window, self.nchunks - 1)
+                if cursor.advised - last >= cursor.cache_window // 2:
+                    # Still half a window ahead: advise in steps of at least
+                    # half a window (8 MiB at most), not one step per read
+                    # request, since each step is a thread hop.
+                    advise_stop = cursor.advised
                 # Chunks new to both windows are prefetched as usual; those
                 # new to one window only are fetched only if not in the disk
                 # cache, or advised only if in it.
@@ -269,9 +274,12 @@ class Replica:
         bt = self._btree
         if bt is not None:
             page = off // bt.page_size + 1
-            where = bt.parent.get(page)
-            if where is not None:
-                parent, idx = where
+            parent = bt.parent.get(page)
+            if parent is not None:
+                # The position in the parent, looked up only for pages read
+                # (a C-level search of a few hundred numbers) rather than
+                # stored for every child of every interior page parsed.
+                idx = bt.children[parent].index(page)
                 scan = bt.scans.get(parent)
                 if scan is None:
                     scan = bt.scans[parent] = _Scan()
@@ -315,8 +323,7 @@ class Replica:
                 if old is not None:
                     continue
                 bt.children[page_no] = children
-                for pos, child in enumerate(children):
-                    bt.parent[child] = (page_no, pos)
+                bt.parent.update(dict.fromkeys(children, page_no))
         except Exception:  # noqa: BLE001 - hints only; never fail a read for them
             log.debug("cannot parse chunk %d of %s for prefetch", index, self.path, exc_info=True)
 
