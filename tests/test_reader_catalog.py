@@ -193,7 +193,7 @@ def test_cache_readahead_runs_ahead_of_the_store_readahead(tmp_path, local_store
     opened = min(last for last, i in advisable if i - last == 16)
     later = [sorted(v) for last, v in steps.items() if last > opened]
     assert later and all(len(v) >= 8 or v[-1] == 39 for v in later), steps
-    assert len(later) < len([last for last in range(opened + 2, 40, 2)])  # fewer steps than reads
+    assert len(later) < len(range(opened + 2, 40, 2))  # fewer steps than reads
     assert stats["gets"] == 10 and stats["prefetch_started"] > 0  # the 10 chunks not cached
 
 
