@@ -15,7 +15,7 @@ served, and the fetcher skips chunks already cached or under way):
   (``cache_readahead_max``), in which they are only advised to the kernel;
 - b-tree readahead per replica: every chunk read on demand is parsed for
   interior b-tree pages (`btree.py`), which gives each child page its parent
-  and position. When reads go from one child to the next of the same parent
+  (its position among the siblings is looked up when it is read). When reads go from one child to the next of the same parent
   (a table or index scan in key order, whatever the pages' file order), the
   chunks of the following siblings are fetched in parallel, with a window
   that grows the same way. A point query (one child per level) prefetches
