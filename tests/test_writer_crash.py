@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import shutil
 import signal
 import sqlite3
@@ -85,14 +86,24 @@ def test_sigkill_at_random_moments(tmp_path):
             break
         p = subprocess.Popen([sys.executable, "-c", WORKER, spool, db, str(rng.randrange(2**32))],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert p.stdout.readline().strip() == "ready", p.stderr.read()
-        time.sleep(rng.uniform(0.0, 0.4))
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=30)
-        if p.returncode != -signal.SIGKILL:
-            raise AssertionError("worker died on its own: %s" % p.stderr.read())
-        p.stdout.close()
-        p.stderr.close()
+        try:
+            # Bounded: a worker that neither says "ready" nor dies fails the test.
+            if not select.select([p.stdout], [], [], 30)[0]:
+                raise AssertionError("worker not ready after 30 s")
+            if p.stdout.readline().strip() != "ready":
+                p.kill()
+                raise AssertionError("worker failed to start: %s" % p.communicate(timeout=30)[1])
+            time.sleep(rng.uniform(0.0, 0.4))
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=30)
+            if p.returncode != -signal.SIGKILL:
+                raise AssertionError("worker died on its own: %s" % p.stderr.read())
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+            p.stdout.close()
+            p.stderr.close()
         kills += 1
         # Right after the kill: whatever is published is complete.
         spoolutil.check_published(db_dir, [store])
