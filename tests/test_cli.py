@@ -10,6 +10,7 @@ import random
 import sqlite3
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -196,6 +197,12 @@ def test_lag_reports_pending_then_in_sync(replicated, tmp_path):
     report = json.loads(run(["lag", "--store", url, "--spool", spool, "--json"]).stdout)
     (db,) = report
     assert db["source"] == w.path and db["in_sync"] is True and db["lag"] == 0
+    assert db["source_changed"] is False
+    # Without a store: nothing left in the spool is nothing pending, however
+    # old the staged manifest.
+    (db,) = json.loads(run(["lag", "--spool", spool, "--no-store", "--json"]).stdout)
+    assert db["in_sync"] is None and db["lag"] == 0 and db["pending_bytes"] == 0
+    assert "nothing pending" in run(["lag", "--spool", spool, "--no-store"]).stdout.decode()
     w.bump()
     report = json.loads(run(["lag", "--store", url, "--spool", spool, "--json"]).stdout)
     (db,) = report
@@ -204,7 +211,52 @@ def test_lag_reports_pending_then_in_sync(replicated, tmp_path):
     text = run(["lag", "--store", url, "--spool", spool]).stdout.decode()
     assert w.path in text and "behind" in text
     proc = run(["lag", "--spool", spool, "--no-store"])
-    assert proc.returncode == 0 and "pending" in proc.stdout.decode()
+    assert proc.returncode == 0 and "pending for" in proc.stdout.decode()
+
+
+def test_lag_sees_writes_that_were_not_snapshotted(replicated):
+    """A commit the VFS could not snapshot (a full spool; here a writer that
+    bypasses it) leaves the store current with the staged manifest but
+    behind the file: lag must not say in sync."""
+    w, spool, url = replicated
+    other = sqlite3.connect(w.path)
+    other.execute("CREATE TABLE unseen(x)")
+    other.commit()
+    other.close()
+    (db,) = json.loads(run(["lag", "--store", url, "--spool", spool, "--json"]).stdout)
+    assert db["in_sync"] is False and db["source_changed"] is True and db["lag"] > 0
+    assert db["manifests"][0]["in_store"] == "current"
+    text = run(["lag", "--store", url, "--spool", spool]).stdout.decode()
+    assert "behind" in text and "source changed since" in text and "in sync" not in text
+
+
+def test_flush_timeout_stops_uploads_midway(tmp_path):
+    """--timeout holds inside a pass too: paced at 5 requests a second, 3 MiB
+    of chunks (48 PUTs, about 10 s) stop at the 1 s deadline, with a clear
+    error; what was sent stays sent, and the next flush finishes the job."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    store_dir = tmp_path / "store"
+    url = "file://%s" % store_dir
+    w = Writer("py", str(spool), str(tmp_path / "app.db"))
+    w.execute("CREATE TABLE big(x)")
+    w.execute("INSERT INTO big VALUES (randomblob(3 << 20))")
+    w.bump()
+    start = time.monotonic()
+    proc = run(["flush", "--store", url, "--spool", str(spool), "--rate", "5", "--burst", "1",
+                "--timeout", "1"])
+    elapsed = time.monotonic() - start
+    assert_one_line_error(proc, "deadline", "--timeout 1s")
+    assert elapsed < 8, elapsed  # not the ~10 s the whole upload takes at this pace
+    sent = os.listdir(store_dir / "chunks")
+    assert 0 < len(sent) < 48
+    # Earlier, smaller snapshots may have landed; the last one has not.
+    assert run(["restore", "--store", url, "-s", w.path, "-o", "-"]).stdout != w.data()
+    proc = run(["flush", "--store", url, "--spool", str(spool)])
+    assert proc.returncode == 0, proc.stderr
+    proc = run(["restore", "--store", url, "-s", w.path, "-o", "-"])
+    assert proc.returncode == 0 and proc.stdout == w.data()
+    w.close()
 
 
 def test_config_from_environment(replicated, tmp_path):
@@ -246,7 +298,10 @@ def test_sync_forces_a_snapshot(tmp_path):
     conn.commit()
     conn.close()
     assert_one_line_error(run(["sync", "--store", url, "--spool", str(spool), str(wal)]),
-                          "no snapshot")
+                          "no snapshot", "WAL database", "-v")
+    # -v shows the VFS's own log line too.
+    proc = run(["sync", "-v", "--store", url, "--spool", str(spool), str(wal)])
+    assert proc.returncode == 1 and b"WAL databases are not replicated" in proc.stderr, proc.stderr
 
 
 # -- bad inputs ------------------------------------------------------------------------
@@ -262,6 +317,33 @@ def test_unknown_database(replicated, tmp_path):
     assert_one_line_error(run(["restore", "--store", url, "-o", "-"]), "source-path")
 
 
+def test_restore_output_is_checked_before_any_download(replicated, tmp_path):
+    """-o names a file to create: a directory, a missing parent or an
+    existing file (without --force) is refused at once, with exit 2."""
+    w, spool, url = replicated
+    outdir = tmp_path / "outdir"
+    outdir.mkdir()
+    existing = tmp_path / "existing.db"
+    existing.write_bytes(b"keep me")
+    target = tmp_path / "target.db"
+    target.write_bytes(b"link target")
+    link = tmp_path / "link.db"
+    link.symlink_to(target)
+    for out, needle in ((outdir, "is a directory"), (existing, "--force"), (link, "--force"),
+                        (tmp_path / "nodir" / "x.db", "no directory")):
+        proc = run(["restore", "--store", url, "-s", w.path, "-o", str(out)])
+        assert_one_line_error(proc, needle)
+        assert proc.returncode == 2
+    assert existing.read_bytes() == b"keep me" and target.read_bytes() == b"link target"
+    assert os.listdir(outdir) == []
+    # --force replaces a file, and a symlink itself (its target is left alone).
+    for out in (existing, link):
+        proc = run(["restore", "--store", url, "-s", w.path, "-o", str(out), "--force"])
+        assert proc.returncode == 0, proc.stderr
+        assert not out.is_symlink() and out.read_bytes() == w.data()
+    assert target.read_bytes() == b"link target"
+
+
 def test_corrupt_manifest_and_chunk_never_write_a_wrong_file(replicated, tmp_path):
     w, spool, url = replicated
     root = url[len("file://"):]
@@ -274,7 +356,7 @@ def test_corrupt_manifest_and_chunk_never_write_a_wrong_file(replicated, tmp_pat
     chunk_path = os.path.join(root, "chunks", victim.name)
     with open(chunk_path, "wb") as f:
         f.write(fmt.compress_chunk(os.urandom(65536)))
-    proc = run(["restore", "--store", url, "-s", w.path, "-o", str(out)])
+    proc = run(["restore", "--store", url, "-s", w.path, "-o", str(out), "--force"])
     assert_one_line_error(proc, "corrupt chunk")
     assert out.read_bytes() == b"previous contents"
     assert [p for p in os.listdir(tmp_path) if p.startswith(".out.db")] == []
@@ -283,12 +365,12 @@ def test_corrupt_manifest_and_chunk_never_write_a_wrong_file(replicated, tmp_pat
     assert proc.stdout == b""
     # a missing chunk
     os.unlink(chunk_path)
-    assert_one_line_error(run(["restore", "--store", url, "-s", w.path, "-o", str(out)]),
+    assert_one_line_error(run(["restore", "--store", url, "-s", w.path, "-o", str(out), "--force"]),
                           "missing")
     # a corrupt manifest
     with open(os.path.join(root, "manifests", w.name), "wb") as f:
         f.write(fmt.compress_manifest(b"\x0a\x05hello"))
-    for args in (["restore", "-o", str(out)], ["manifest"]):
+    for args in (["restore", "-o", str(out), "--force"], ["manifest"]):
         proc = run(args[:1] + ["--store", url, "-s", w.path] + args[1:])
         assert_one_line_error(proc, "corrupt manifest")
     assert out.read_bytes() == b"previous contents"

@@ -154,8 +154,8 @@ def test_changes_behind_our_back_are_caught(spool, tmp_path):
 def test_replication_errors_never_fail_sqlite(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_bytes(b"")
-    writer_vfs.register(str(tmp_path / "spool-ok"))
-    writer_vfs.lib.verneuil_vfs_register(os.fsencode(str(blocker / "spool")), 0)
+    # A spool that cannot be created: register() says so and carries on.
+    assert writer_vfs.register(str(blocker / "spool")) == str(blocker / "spool")
     db = str(tmp_path / "err.db")
     conn = open_db(db)
     conn.execute("CREATE TABLE t(v)")
@@ -165,6 +165,28 @@ def test_replication_errors_never_fail_sqlite(tmp_path):
     assert writer_vfs.stats(conn)["failed"] >= 3
     conn.close()
     assert not os.path.exists(db + "-journal")
+
+
+@pytest.mark.parametrize("config", ["{bad json", '{"replication_spooling_dir": 42}', "@/nonexistent.json"])
+def test_unusable_config_is_logged_not_raised(tmp_path, config):
+    """An application must not fail to start because VERNEUIL_CONFIG is
+    wrong: register() logs it and the VFS passes everything through."""
+    script = r"""
+import logging, sys, writer_vfs
+logging.basicConfig()
+assert writer_vfs.register() is None
+c = writer_vfs.connect(sys.argv[1], isolation_level=None)
+c.execute("CREATE TABLE t(v)")
+c.execute("INSERT INTO t VALUES (1)")
+print(c.execute("SELECT count(*) FROM t").fetchone()[0])
+"""
+    env = dict(os.environ, VERNEUIL_CONFIG=config)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "x.db")],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
+    assert "VERNEUIL_CONFIG" in out.stderr and "replicates nothing" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_wal_keeps_working_and_logs_once(tmp_path):

@@ -213,12 +213,43 @@ def cmd_copier(args) -> int:
     return EXIT_OK
 
 
+def _flush_with_progress(args, copier, names: Optional[set] = None) -> None:
+    """copier.flush(timeout) of every database of the spool (or those whose
+    spool directory is in `names`), with a progress bar of the chunk bytes
+    sent against those pending at the start (stderr, on a terminal only)."""
+    import threading
+    from .copier.status import spool_status
+    progress = _Progress(not args.quiet)
+    done = threading.Event()
+    watcher = None
+    if progress.enabled:
+        total = sum(db["pending_bytes"] for db in spool_status(copier.spool_dir)
+                    if names is None or db["dbdir"] in names)
+
+        def watch() -> None:
+            while True:
+                last = done.wait(0.2)
+                progress(min(copier.stats.chunk_bytes_raw, total), total)
+                if last:
+                    return
+
+        watcher = threading.Thread(target=watch, name="flush-progress", daemon=True)
+        watcher.start()
+    try:
+        copier.flush(timeout=args.timeout, only=None if names is None else (lambda db: db.name in names))
+    except TimeoutError as e:
+        raise UserError("%s (--timeout %gs)" % (e, args.timeout)) from None
+    finally:
+        done.set()
+        if watcher is not None:
+            watcher.join()
+            progress.finish()
+
+
 def cmd_flush(args) -> int:
     copier = _make_copier(args)
     try:
-        copier.flush(timeout=args.timeout)
-    except TimeoutError as e:
-        raise UserError(str(e)) from None
+        _flush_with_progress(args, copier)
     finally:
         copier.close()
         copier.store.close()
@@ -228,9 +259,11 @@ def cmd_flush(args) -> int:
     return EXIT_OK
 
 
-def _force_snapshot(path: str, spool: str) -> None:
+def _force_snapshot(path: str, spool: str, verbose: bool = False) -> dict:
     """Commit an empty write transaction on `path` through the verneuil VFS,
-    which makes it publish a fresh snapshot into the spool."""
+    which makes it publish a fresh snapshot into the spool. Returns the
+    connection's VFS counters (writer_vfs.stats); `verbose` also prints the
+    VFS's own log on stderr."""
     import sqlite3
     import urllib.parse
     try:
@@ -240,6 +273,7 @@ def _force_snapshot(path: str, spool: str) -> None:
     if not os.path.isfile(path):
         raise UserError("%s: no such database file" % path)
     writer_vfs.register(spool_dir=spool)
+    writer_vfs.set_log_stderr(verbose)
     uri = "file:%s?vfs=verneuil" % urllib.parse.quote(os.path.abspath(path))
     try:
         conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30)
@@ -251,6 +285,7 @@ def _force_snapshot(path: str, spool: str) -> None:
             (version,) = conn.execute("PRAGMA user_version").fetchone()
             conn.execute("PRAGMA user_version = %d" % int(version))
             conn.execute("COMMIT")
+            return writer_vfs.stats(conn)
         finally:
             conn.close()
     except sqlite3.Error as e:
@@ -286,17 +321,18 @@ def cmd_sync(args) -> int:
     sp.check_spool(spool, create=True)
     wanted = set()
     for path in args.db:
-        _force_snapshot(path, spool)
+        counters = _force_snapshot(path, spool, verbose=args.verbose > 0)
         db = sp.DbDir(os.path.join(spool, sp.current_boot_root_name()), sp.dbdir_name(path))
         if not _staged_matches(db, path):
-            raise UserError("%s: the VFS spooled no snapshot of the current file (a WAL "
-                            "database? run with -v to see the VFS's log)" % path)
+            why = ("it is a WAL database, which the VFS does not replicate" if counters.get("wal") else
+                   "the VFS could not write its snapshot to the spool %s" % spool
+                   if counters.get("failed") else "the reason is in the VFS's log")
+            raise UserError("%s: the VFS spooled no snapshot of the current file: %s%s" % (
+                path, why, "" if args.verbose else " (run with -v to see the VFS's log)"))
         wanted.add(db.name)
     copier = _make_copier(args, create_spool=True)
     try:
-        copier.flush(timeout=args.timeout, only=lambda db: db.name in wanted)
-    except TimeoutError as e:
-        raise UserError(str(e)) from None
+        _flush_with_progress(args, copier, wanted)
     finally:
         copier.close()
         copier.store.close()
@@ -330,9 +366,25 @@ class _Progress:
             sys.stderr.flush()
 
 
+def _check_restore_target(path: str, force: bool) -> None:
+    """Refuse an output that cannot be written, before any download."""
+    if os.path.isdir(path):
+        raise UserError("%s is a directory: give the path of the database file to write" % path,
+                        EXIT_USAGE)
+    if os.path.lexists(path) and not force:
+        raise UserError("%s exists: use --force to replace it" % path, EXIT_USAGE)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UserError("cannot write %s: no directory %s" % (path, parent), EXIT_USAGE)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError("cannot write %s: directory %s is not writable" % (path, parent), EXIT_USAGE)
+
+
 def cmd_restore(args) -> int:
     import tempfile
     from .copier.restore import restore_to_path, write_snapshot
+    if args.out != "-":
+        _check_restore_target(args.out, args.force)
     store = _open_store(args, read_only=True)
     try:
         name, m = _load_manifest(args, store)
@@ -499,15 +551,20 @@ def cmd_lag(args) -> int:
         return EXIT_OK
     for db in report:
         lag = db["lag"]
-        state = ("in sync" if db["in_sync"] else
-                 "behind %.1fs" % lag if lag is not None else "pending")
-        if db["in_sync"] is None and lag is not None:
-            state = "pending for %.1fs" % lag if (lag or db["pending_bytes"]) else "nothing pending"
+        if db["in_sync"] is None:  # no store to compare with
+            state = ("nothing pending" if lag == 0 and not db["pending_bytes"] else
+                     "pending for %.1fs" % lag if lag is not None else "pending")
+        else:
+            state = ("in sync" if db["in_sync"] else
+                     "behind %.1fs" % lag if lag is not None else "pending")
+        if db["source_changed"]:
+            state += " (the source changed since its last snapshot)"
         print("%s: %s" % (db["source"] or db["dbdir"], state))
         for m in db["manifests"]:
             extra = ""
             if m.get("source_changed"):
-                extra = ", source changed since (writes not seen by the VFS?)"
+                extra = (", source changed since: writes the VFS could not snapshot (spool full or "
+                         "unwritable? see the writer's log) or a writer not using the VFS")
             if "error" in m:
                 extra += ", INVALID: %s" % m["error"]
             print("  staged manifest: %s old, %s%s%s" % (
@@ -643,7 +700,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Fetch a manifest and its chunks, verify every chunk, and "
                                    "write the database atomically (temp file + rename).")
     p.add_argument("-o", "--out", required=True, metavar="FILE",
-                   help="output file, or '-' for stdout")
+                   help="output file, or '-' for stdout; an existing file is refused "
+                        "without --force")
+    p.add_argument("-f", "--force", action="store_true",
+                   help="replace FILE if it exists (atomically; a symlink is replaced, "
+                        "not followed)")
     p.set_defaults(func=cmd_restore)
 
     p = sub.add_parser("ls", parents=[common, store],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import sqlite3
 import urllib.parse
@@ -18,6 +19,8 @@ from typing import Optional
 from ._vfs import ffi, lib
 
 VFS_NAME = "verneuil"
+
+log = logging.getLogger("writer_vfs")
 
 _LIBVERSION = ffi.string(lib.sqlite3_libversion()).decode()
 if _LIBVERSION != sqlite3.sqlite_version:
@@ -49,14 +52,31 @@ def register(spool_dir: Optional[str] = None, make_default: bool = False) -> Opt
     `replication_spooling_dir` (whose `make_default` also counts).  Calling
     again changes the spool for files opened afterwards.  Returns the spool
     directory (None: the VFS passes everything through, no replication).
+
+    Like the loadable extension, it never fails the application because of
+    replication: an unusable VERNEUIL_CONFIG is logged and replicates
+    nothing; a spool directory that cannot be created now is logged, and
+    commits go on (counted as failed snapshots until it can be).
     """
     if spool_dir is None:
-        config = config_from_env()
+        try:
+            config = config_from_env()
+        except (OSError, ValueError) as e:  # a missing @file, bad JSON, not an object
+            log.error("VERNEUIL_CONFIG is unusable (%s): the verneuil VFS replicates nothing", e)
+            config = {}
         spool_dir = config.get("replication_spooling_dir")
+        if spool_dir is not None and not isinstance(spool_dir, str):
+            log.error("VERNEUIL_CONFIG: replication_spooling_dir must be a string, not %r: "
+                      "the verneuil VFS replicates nothing", spool_dir)
+            spool_dir = None
         make_default = make_default or bool(config.get("make_default", False))
     if spool_dir is not None:
         spool_dir = os.path.abspath(os.fspath(spool_dir))
-        os.makedirs(spool_dir, exist_ok=True)
+        try:
+            os.makedirs(spool_dir, exist_ok=True)
+        except OSError as e:
+            log.warning("cannot create the spool directory %s (%s): snapshots fail until it can be",
+                        spool_dir, e.strerror or e)
     rc = lib.verneuil_vfs_register(
         os.fsencode(spool_dir) if spool_dir is not None else ffi.NULL,
         1 if make_default else 0)

@@ -92,15 +92,26 @@ def db_status(db: sp.DbDir, store=None) -> dict:
                                  else "current" if remote == raw else "behind")
         manifests.append(entry)
     info["manifests"] = manifests
+    # The source moved past its staged snapshot: writes the VFS could not
+    # snapshot (spool full or unwritable: the writer's log says which) or a
+    # writer that does not use the VFS. Not in sync, whatever the store holds.
+    changed = [e["age"] for e in manifests if e.get("source_changed")]
+    info["source_changed"] = bool(changed)
     # Lag: how old the oldest snapshot not yet in the store is (0 if in sync).
-    ages = [s["age"] for s in info["ready"] + info["consuming"]]
-    for entry in manifests:
-        if entry.get("in_store", "behind") != "current":
-            ages.append(entry["age"])
-    in_sync = not ages and staged_files == 0 and all(
-        e.get("in_store") == "current" for e in manifests)
-    info["lag"] = 0.0 if in_sync else (max(ages) if ages else None)
-    info["in_sync"] = in_sync if store is not None else None
+    ages = [s["age"] for s in info["ready"] + info["consuming"]] + changed
+    if store is not None:
+        ages += [e["age"] for e in manifests if e.get("in_store") != "current"]
+        in_sync = not ages and staged_files == 0 and all(e.get("in_store") == "current" for e in manifests)
+        info["lag"] = 0.0 if in_sync else (max(ages) if ages else None)
+        info["in_sync"] = in_sync
+    else:
+        # Without a store, what is pending is what the spool still holds:
+        # snapshots to publish and staged chunks (a staged manifest alone
+        # stays in the spool after it was uploaded).
+        if staged_files:
+            ages += [e["age"] for e in manifests]
+        info["lag"] = max(ages) if ages else (None if staged_files else 0.0)
+        info["in_sync"] = None
     return info
 
 
