@@ -259,6 +259,30 @@ def test_flush_timeout_stops_uploads_midway(tmp_path):
     w.close()
 
 
+def test_a_spool_ships_to_one_store(replicated, tmp_path):
+    """Chunks leave the spool once sent: flushing the same spool to a second
+    store would publish manifests naming chunks it never got. The copier
+    refuses, says how to start over, and starting over works."""
+    w, spool, url = replicated
+    other = "file://%s/other" % tmp_path
+    w.bump()
+    proc = run(["flush", "--store", other, "--spool", spool])
+    assert_one_line_error(proc, "ships to file://", "remove that directory")
+    assert not os.path.exists(os.path.join(other[len("file://"):], "manifests", w.name))
+    # The first store still takes it.
+    assert run(["flush", "--store", url, "--spool", spool]).returncode == 0
+    # Starting over for the other store: a fresh spool, a full snapshot.
+    spool2 = tmp_path / "spool2"
+    spool2.mkdir()
+    w2 = Writer("py", str(spool2), w.path)
+    w2.bump()
+    proc = run(["flush", "--store", other, "--spool", str(spool2)])
+    assert proc.returncode == 0, proc.stderr
+    proc = run(["restore", "--store", other, "-s", w.path, "-o", "-"])
+    assert proc.returncode == 0 and proc.stdout == w2.data()
+    w2.close()
+
+
 def test_config_from_environment(replicated, tmp_path):
     w, spool, url = replicated
     w.bump()

@@ -17,7 +17,7 @@ import logging
 import threading
 from typing import Optional
 
-from .copier import BadSnapshot, Copier, CopierStats
+from .copier import BadSnapshot, Copier, CopierStats, OtherStore
 from .pacing import DEFAULT_BURST, DEFAULT_RATE, Backoff, Stopped, TokenBucket
 from .restore import (RestoreError, decode_manifest, fetch_manifest,
                       restore_bytes, restore_to_path, write_snapshot)
@@ -27,7 +27,7 @@ from .status import spool_status
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "BackgroundCopier", "BadSnapshot", "Backoff", "Copier", "CopierStats",
+    "BackgroundCopier", "BadSnapshot", "Backoff", "Copier", "CopierStats", "OtherStore",
     "DEFAULT_BURST", "DEFAULT_RATE", "NotASpool", "RestoreError",
     "Stopped", "TokenBucket", "decode_manifest", "fetch_manifest", "restore_bytes",
     "restore_to_path", "spool_status", "start_background", "write_snapshot",

@@ -52,6 +52,12 @@ class BadSnapshot(Exception):
     """A spooled snapshot we will not upload (moved aside or skipped)."""
 
 
+class OtherStore(StoreError):
+    """A database of the spool was shipped to another chunk store: its chunks
+    went there and left the spool, so a manifest uploaded to this store would
+    name chunks this store does not have. Nothing is uploaded for it."""
+
+
 @dataclasses.dataclass
 class CopierStats:
     passes: int = 0
@@ -81,6 +87,7 @@ class _DbState:
     staged_bad: dict = dataclasses.field(default_factory=dict)    # name -> Identity
     last_raw: dict = dataclasses.field(default_factory=dict)      # name -> Fprint of raw bytes
     next_touch_check: float = 0.0                                 # time.monotonic()
+    store_checked: bool = False                                   # copier.store names ours
 
 
 def _raw_fp(raw: bytes) -> fmt.Fprint:
@@ -604,8 +611,35 @@ class Copier:
                 return True
         return False
 
+    def _check_store(self, db: sp.DbDir) -> None:
+        """Record in the database's directory which chunk store it is shipped
+        to (the first copier to get there writes `copier.store`), and refuse
+        to ship it anywhere else: chunks leave the spool once uploaded, so a
+        second store would get manifests naming chunks it never received."""
+        state = self._state(db)
+        if state.store_checked:
+            return
+        mine = self.store.chunks.identity()
+        path = db.sub(sp.STORE_FILE)
+        try:
+            recorded = sp.read_regular(path, 4096).decode("utf-8", "replace")
+        except FileNotFoundError:
+            if sp.write_new(path, mine.encode()):
+                state.store_checked = True
+                return
+            recorded = sp.read_regular(path, 4096).decode("utf-8", "replace")
+        if recorded != mine:
+            raise OtherStore(
+                "%s: this database's spool (%s) ships to %s, not %s: the chunks it sent there "
+                "are no longer in the spool. To replicate it to %s, remove that directory "
+                "(the VFS stages a full snapshot at the next commit; `verneuilctl sync DB` "
+                "makes one now) or give the writer another spool"
+                % (db.source() or db.name, db.path, recorded, mine, mine))
+        state.store_checked = True
+
     def sync_db(self, db: sp.DbDir) -> bool:
         """One pass over one database; True if work was done."""
+        self._check_store(db)
         did = False
         if os.path.lexists(db.sub(sp.CONSUMING)):
             did |= self._consume(db)

@@ -15,6 +15,7 @@ import os
 import re
 import stat
 import struct
+import threading
 import time
 import uuid
 from typing import NamedTuple, Optional
@@ -30,6 +31,7 @@ SCRATCH = "scratch"
 SOURCE = "source"
 LOCK_FILE = "copier.lock"
 TOUCHED_FILE = "copier.touched"
+STORE_FILE = "copier.store"  # identity of the chunk store this database is shipped to
 DEAD_LETTER = "dead-letter"
 
 # "<boot_id>.<boot_time>": a UUID, a dot, the ctime of /proc/1 in seconds.
@@ -244,6 +246,21 @@ def read_regular(path: str, limit: int = -1) -> bytes:
     open_regular)."""
     with os.fdopen(open_regular(path), "rb") as f:
         return f.read(limit)
+
+
+def write_new(path: str, data: bytes) -> bool:
+    """Create `path` holding `data`, atomically (a temporary file linked into
+    place): readers see nothing or all of it. False if it already exists."""
+    tmp = "%s.%d.%d.tmp" % (path, os.getpid(), threading.get_ident())
+    with open(tmp, "wb") as f:
+        f.write(data)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        unlink_quiet(tmp)
 
 
 def unlink_quiet(path: str, dir_fd: Optional[int] = None) -> bool:

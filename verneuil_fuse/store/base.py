@@ -214,6 +214,12 @@ class Backend(Protocol):
         Never holds credentials."""
         ...
 
+    def identity(self) -> str:
+        """Where the blobs live, whatever the route to them: `s3://bucket/prefix`
+        (no endpoint, region or credentials), `file:///abs/dir`. Two backends
+        with one identity hold the same blobs."""
+        ...
+
 
 @dataclasses.dataclass
 class Store:

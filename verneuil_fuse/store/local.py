@@ -101,6 +101,9 @@ class LocalBackend:
     def describe(self) -> str:
         return f"directory {self.root}"
 
+    def identity(self) -> str:
+        return "file://" + os.path.realpath(self.root)
+
     def close(self) -> None:
         """Nothing to release; present for symmetry with S3Backend."""
 

@@ -233,6 +233,9 @@ class S3Backend:
 
     # -- helpers ---------------------------------------------------------
 
+    def identity(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
     def describe(self) -> str:
         where = f"s3://{self.bucket}/{self.prefix}"
         details = [f"at {self.endpoint}"] if self.endpoint else []
