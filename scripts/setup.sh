@@ -45,8 +45,10 @@ echo "setup: installing the project and its test tools into .venv"
   || { echo "setup: the project did not install (see pip's output above)" >&2; exit 1; }
 
 # mount.fuse3 runs `verneuil` through /bin/sh with a fixed PATH (DESIGN.md).
-if [ -x .venv/bin/verneuil ] && [ -w /usr/local/sbin ]; then
-  ln -sf "$PWD/.venv/bin/verneuil" /usr/local/sbin/verneuil
+if [ "$(id -u)" = 0 ] || [ -w /usr/local/sbin ]; then
+  bash scripts/install-mount-helper.sh "$PWD/.venv"
   ln -sf "$PWD/.venv/bin/verneuilctl" /usr/local/sbin/verneuilctl
+else
+  echo "setup: not root: for mount -t fuse.verneuil and fstab, run: sudo bash scripts/install-mount-helper.sh"
 fi
 echo "setup: done (.venv ready; run tests with: bash scripts/test.sh)"

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import random
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -467,6 +468,52 @@ def test_kernel_readahead_is_raised(env):
     """The mount raises its readahead from libfuse's 128 KiB to 4 MiB (set
     after the FUSE INIT reply, which would otherwise cap it again)."""
     wait_for(lambda: _bdi_read_ahead_kb(env.mount.mountpoint) == "4096", 10, "read_ahead_kb=4096")
+
+
+def test_mount_point_checks(env):
+    """A mount point already mounted is refused; a symlink to a directory is
+    mounted at its target (so the readahead is tuned there); a mount whose
+    process died is named as stale, with the way out."""
+    def verneuil(*args):
+        return subprocess.run([sys.executable, "-m", "verneuil_fuse.mount", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    source = "file://" + env.store_dir
+    opts = "cache_dir=%s" % os.path.join(env.root, "cache3")
+    out = verneuil(source, env.mount.mountpoint, "-o", opts)
+    assert out.returncode == 4 and "already a mount point" in out.stderr, out.stderr
+    target = os.path.join(env.root, "mnt3")
+    os.makedirs(target, exist_ok=True)
+    link = os.path.join(env.root, "mnt3-link")
+    os.symlink(target, link)
+    pid = None
+    try:
+        out = verneuil(source, link, "-o", opts)  # background mode: returns once mounted
+        assert out.returncode == 0, out.stderr
+        assert is_mounted(target)
+        with open(os.path.join(target, ".verneuil", "stats")) as f:
+            stats = json.load(f)
+        pid = stats["mount"]["pid"]
+        assert stats["mount"]["mountpoint"] == target
+        wait_for(lambda: _bdi_read_ahead_kb(target) == "4096", 10, "read_ahead_kb=4096")
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(pid), 15, "the daemon to die")
+
+        def disconnected() -> bool:
+            try:
+                os.listdir(target)
+            except OSError as e:
+                return e.errno == errno.ENOTCONN
+            return False
+
+        wait_for(disconnected, 10, "the mount to be disconnected")
+        out = verneuil(source, target, "-o", opts)
+        assert out.returncode == 4 and "stale FUSE mount" in out.stderr, out.stderr
+        assert "fusermount3 -u %s" % target in out.stderr
+    finally:
+        unmount(target)
+        if pid is not None:
+            stop_pid(pid, 5)
 
 
 def test_mount_helper_and_fstab(env):

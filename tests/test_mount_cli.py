@@ -2,8 +2,12 @@
 with distinct exit codes for bad options, sources and mount points."""
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -31,6 +35,13 @@ def test_help_lists_own_options():
     (["file:///nonexistent-store", "/tmp"], 3, "no such directory"),
     (["ftp://nope", "/tmp"], 3, "bad source"),
     (["only-one-arg"], 2, "required"),
+    (["file:///tmp", "/tmp", "-o", "log_file=/nonexistent-dir/log"], 2, "cannot write log_file"),
+    (["file:///tmp", "/tmp", "-o", "log_file=/tmp"], 2, "Is a directory"),
+    (["file:///tmp", "/tmp", "-o", "concurrency=50000000"], 2, "at most 256"),
+    (["file:///tmp", "/tmp", "-o", "cache_size=1"], 2, "at least 16M"),
+    (["file:///tmp", "/tmp", "-o", "cache_dir="], 2, "an empty path"),
+    (["file:///tmp", "/tmp", "-o", "fsname="], 2, "option fsname needs a value"),
+    (["s3://user:secret@bucket", "/tmp"], 3, "s3://***@bucket"),
 ])
 def test_errors_are_one_line(args, code, words):
     out = run(*args)
@@ -38,6 +49,43 @@ def test_errors_are_one_line(args, code, words):
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("verneuil: error: ") and words in lines[0], out.stderr
+    assert "secret" not in out.stderr
+
+
+def test_a_directory_that_is_not_a_store_is_refused_untouched(tmp_path):
+    src = tmp_path / "typo"
+    src.mkdir()
+    (src / "x.txt").write_text("x")
+    out = run("file://%s" % src, str(tmp_path))
+    assert out.returncode == 3 and "is not a store" in out.stderr, out.stderr
+    assert sorted(os.listdir(src)) == ["x.txt"]  # no chunks/ or manifests/ made
+
+
+def test_interrupt_before_the_mount_is_made(tmp_path):
+    """Ctrl-C while the store does not answer: one line, exit 130, in the
+    background mode (the parent waits for its child) and with -f."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # accepts connections, never answers
+    url = "s3://chunks?manifest_bucket=m&endpoint=http://127.0.0.1:%d" % listener.getsockname()[1]
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y")
+    try:
+        for extra in ([], ["-f"]):
+            p = subprocess.Popen([sys.executable, "-m", "verneuil_fuse.mount", url, str(tmp_path),
+                                  "-o", "cache_size=0,timeout=30", *extra],
+                                 stderr=subprocess.PIPE, text=True, env=env)
+            try:
+                time.sleep(1.5)  # imports done, waiting on the store
+                p.send_signal(signal.SIGINT)
+                err = p.communicate(timeout=30)[1]
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=30)
+            assert p.returncode == 130, (extra, err)
+            assert err.strip() == "verneuil: error: interrupted: not mounted", (extra, err)
+    finally:
+        listener.close()
 
 
 def test_option_parsing():

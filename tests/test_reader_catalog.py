@@ -88,13 +88,31 @@ def test_tree_versions_and_removal(local_store):
 
 
 def test_bad_manifest_is_skipped(local_store):
+    """A manifest that does not decode is skipped, and not fetched (nor
+    logged) again at every poll until its blob changes."""
     publish(local_store, os.urandom(100), "/ok.db")
-    local_store.manifests.put(manifest_name("/bad.db", "testhost"), b"garbage")
+    bad_key = manifest_name("/bad.db", "testhost")
+    local_store.manifests.put(bad_key, b"garbage")
+    # Older than the settling time (a blob written just now is fetched again).
+    for name in os.listdir(local_store.manifests.root):
+        path = os.path.join(local_store.manifests.root, name)
+        os.utime(path, (os.stat(path).st_mtime - 60,) * 2)
 
     async def go(cat):
         await cat.refresh()
         names = [n for n, _ in cat.listdir(cat.lookup(1, "testhost").inode)]
         assert names == ["ok.db"] and cat.poll_errors == 1
+        gets = cat.fetcher.stats["manifest_gets"]
+        for _ in range(3):
+            await cat.refresh()
+        assert cat.fetcher.stats["manifest_gets"] == gets and cat.poll_errors == 1
+        assert cat.stats()["refresh"]["bad_manifests"] == [bad_key]
+        # Fixed in the store: fetched again and served.
+        good = publish(local_store, os.urandom(300), "/bad.db")
+        await cat.refresh()
+        r = cat.lookup(cat.lookup(1, "testhost").inode, "bad.db")
+        assert r is not None and await r.read(0, 1000) == good.data
+        assert cat.stats()["refresh"]["bad_manifests"] == []
 
     run(local_store, go)
 

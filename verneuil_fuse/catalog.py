@@ -169,6 +169,9 @@ class Catalog:
         self.entries: dict[str, DbEntry] = {}
         self.polls = 0
         self.poll_errors = 0
+        # Manifests that did not decode, by key: (size, mtime, fetched_at) of
+        # the listed blob. Not fetched (nor logged) again until it changes.
+        self._bad: dict[str, tuple[int, float, float]] = {}
         self.last_poll = 0.0
         self.versions_seen = 0
         self._hydrating: set[str] = set()
@@ -294,6 +297,9 @@ class Catalog:
         listed = {info.key: info for info in infos}
         todo = []
         for key, info in listed.items():
+            bad = self._bad.get(key)
+            if bad is not None and bad[:2] == (info.size, info.mtime) and bad[2] - info.mtime >= SETTLE_SECONDS:
+                continue  # the same broken blob as last time
             entry = self.entries.get(key)
             if (
                 entry is None
@@ -305,12 +311,21 @@ class Catalog:
         results: dict[str, Any] = {}
 
         async def load(info) -> None:
+            fetched_at = self.clock()
             try:
                 blob = await self.fetcher.get_manifest_blob(info.key)
                 fetched_at = self.clock()
                 manifest = await self.fetcher.decode_manifest(blob)
                 results[info.key] = (info, manifest, fetched_at)
-            except (StoreError, ManifestError) as e:
+                self._bad.pop(info.key, None)
+            except ManifestError as e:
+                self.poll_errors += 1
+                if e.rule == "base-chunk":  # its base chunk may be fetched next time
+                    log.warning("cannot load manifest %s: %s", info.key, e)
+                    return
+                self._bad[info.key] = (info.size, info.mtime, fetched_at)
+                log.warning("cannot load manifest %s: %s (not tried again until it changes)", info.key, e)
+            except StoreError as e:
                 self.poll_errors += 1
                 log.warning("cannot load manifest %s: %s", info.key, e)
             except Exception:  # noqa: BLE001 - one bad manifest must not stop the poll
@@ -325,6 +340,8 @@ class Catalog:
             self._install(key, info, manifest, fetched_at)
         for key in [k for k in self.entries if k not in listed]:
             self._remove(key)
+        for key in [k for k in self._bad if k not in listed]:
+            del self._bad[key]
 
     def _install(self, key: str, info, manifest, fetched_at: float) -> None:
         entry = self.entries.get(key)
@@ -427,6 +444,7 @@ class Catalog:
                 "interval": self.refresh_interval,
                 "polls": self.polls,
                 "errors": self.poll_errors,
+                "bad_manifests": sorted(self._bad),
                 "last_poll": self.last_poll,
                 "versions_seen": self.versions_seen,
             },

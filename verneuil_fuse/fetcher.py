@@ -122,8 +122,10 @@ class Fetcher:
 
     # ----------------------------------------------------------- blocking calls
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a blocking call (store listing, manifest GET) in a worker thread."""
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.meta_limiter)
+        """Run a blocking call (store listing, manifest GET) in a worker thread.
+        Cancelling abandons the call (it only reads; its result is dropped),
+        so that Ctrl-C, SIGTERM or umount do not wait for a slow store."""
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.meta_limiter, abandon_on_cancel=True)
 
     async def list_manifests(self) -> list:
         self.stats["lists"] += 1

@@ -14,9 +14,10 @@ unmounts and exits 0. ``-f`` does all of it in the foreground.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
-import math
 import logging.handlers
+import math
 import os
 import re
 import select
@@ -53,7 +54,7 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
                           across remounts (default: /var/cache/verneuil as root,
                           else ~/.cache/verneuil)
   cache_size=SIZE         bound of the disk cache, e.g. 2G, 512M; 0 = no disk
-                          cache (default 2G)
+                          cache, else at least 16M (default 2G)
   mem_cache=SIZE          in-process cache of hot chunks (default 64M)
   refresh=SECONDS         how often the store is polled for new or removed
                           databases and versions (default 10)
@@ -65,7 +66,7 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
   btree_prefetch=on|off   B-tree-aware prefetch of the sibling pages a scan
                           reads next (default on)
   btree_max=N             largest B-tree prefetch window, in chunks (default 32)
-  concurrency=N           parallel GETs to the store (default 16)
+  concurrency=N           parallel GETs to the store, 1-256 (default 16)
   prefetch_concurrency=N  of which prefetches may use at most N (default 3/4)
   retries=N               retries of a failed or slow GET before EIO (default 4)
   timeout=SECONDS         time limit of one GET attempt (default 30)
@@ -90,9 +91,20 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
 # (docs/READER.md). Random reads are not read ahead.
 DEFAULT_READ_AHEAD_KB = 4096
 
+# Largest `concurrency`: each GET in flight holds a worker thread and an
+# HTTP connection (the pool is sized from it). The store's own ceiling is
+# reached with 16-32 here (docs/READER.md); 256 leaves room for a far store
+# while a typo (50000000) cannot exhaust memory at start-up.
+MAX_CONCURRENCY = 256
+# Smallest non-zero `cache_size`: the disk cache keeps its bound by evicting
+# whole segments, 16 of them, of at least 1 MiB each (cache.py), so a bound
+# below 16 MiB could not be kept.
+MIN_CACHE_SIZE = 16 << 20
+
 EXIT_USAGE = 2
 EXIT_SOURCE = 3
 EXIT_MOUNT = 4
+EXIT_INTERRUPTED = 130
 
 
 class UserError(Exception):
@@ -159,6 +171,26 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _concurrency(text: str) -> int:
+    v = _positive_int(text)
+    if v > MAX_CONCURRENCY:
+        raise ValueError("at most %d" % MAX_CONCURRENCY)
+    return v
+
+
+def _cache_size(text: str) -> int:
+    v = parse_size(text)
+    if 0 < v < MIN_CACHE_SIZE:
+        raise ValueError("0 (no disk cache) or at least %dM" % (MIN_CACHE_SIZE >> 20))
+    return v
+
+
+def _path(text: str) -> str:
+    if not text:
+        raise ValueError("an empty path")
+    return text
+
+
 def _nonneg_int(text: str) -> int:
     v = int(text)
     if v < 0:
@@ -188,8 +220,8 @@ def _fuse_value(text: str) -> str:
 
 
 _OWN = {
-    "cache_dir": str,
-    "cache_size": parse_size,
+    "cache_dir": _path,
+    "cache_size": _cache_size,
     "mem_cache": parse_size,
     "refresh": _seconds,
     "readahead": _bool,
@@ -197,14 +229,14 @@ _OWN = {
     "cache_readahead_max": _nonneg_int,
     "btree_prefetch": _bool,
     "btree_max": _nonneg_int,
-    "concurrency": _positive_int,
-    "prefetch_concurrency": _positive_int,
+    "concurrency": _concurrency,
+    "prefetch_concurrency": _concurrency,
     "retries": _nonneg_int,
     "timeout": _seconds,
     "hydrate": _bool,
     "entry_timeout": _nonneg_seconds,
     "read_ahead_kb": _nonneg_int,
-    "log_file": str,
+    "log_file": _path,
     "log_level": lambda t: _check_level(t),
 }
 
@@ -245,6 +277,8 @@ def parse_args(argv: list[str] | None) -> Options:
             if name in LIBFUSE_FLAGS and not eq:
                 fuse.add(name)
             elif name in LIBFUSE_VALUES and eq:
+                if not value:
+                    raise UserError("option %s needs a value (%s=...)" % (name, name), EXIT_USAGE)
                 fuse.add("%s=%s" % (name, _fuse_value(value)))
             elif name in _OWN:
                 if not eq and name != "hydrate":
@@ -310,14 +344,28 @@ def setup_logging(opts: Options, daemon: bool) -> None:
 
 
 # ------------------------------------------------------------------ checks
+def shown(source: str) -> str:
+    """The source as messages show it: a URL's user:password@ is masked (the
+    store refuses credentials in URLs, and says so without repeating them)."""
+    return re.sub(r"(//)[^/@\s]*@", r"\1***@", source)
+
+
 def check_source(opts: Options):
-    """Open the store (UserError on a bad spec or missing directory)."""
+    """Open the store (UserError on a bad spec or missing directory). A
+    directory store is opened without creating anything: a mount is
+    read-only, and a mistyped path must not grow chunks/ and manifests/."""
     from verneuil_fuse.store import ConfigError, open_store, parse_config, store_target
 
     try:
         target = store_target(parse_config(opts.source))
-        if target.get("kind") == "directory" and not os.path.isdir(target["path"]):
-            raise UserError("source %s: no such directory %s" % (opts.source, target["path"]), EXIT_SOURCE)
+        if target.get("kind") == "directory":
+            path = target["path"]
+            if not os.path.isdir(path):
+                raise UserError("source %s: no such directory %s" % (shown(opts.source), path), EXIT_SOURCE)
+            if not os.path.isdir(os.path.join(path, "manifests")):
+                raise UserError("source %s: %s is not a store (no manifests/ directory in it)"
+                                % (shown(opts.source), path), EXIT_SOURCE)
+            return open_store({"directory": {"path": path, "create": False}})
         return open_store(
             opts.source,
             **(
@@ -327,20 +375,45 @@ def check_source(opts: Options):
             ),
         )
     except ConfigError as e:
-        raise UserError("bad source %s: %s" % (opts.source, e), EXIT_SOURCE) from None
+        raise UserError("bad source %s: %s" % (shown(opts.source), e), EXIT_SOURCE) from None
 
 
 def check_paths(opts: Options) -> None:
-    """Check the mount point; make every path absolute (the daemon runs in /)."""
+    """Check the mount point and the log file; make every path absolute (the
+    daemon runs in /), the mount point without symlinks (as the kernel
+    records it in mountinfo)."""
+    def stale() -> UserError:
+        return UserError("mount point %s is a stale FUSE mount (its process is gone): run "
+                         "fusermount3 -u %s first" % (opts.mountpoint, opts.mountpoint), EXIT_MOUNT)
+
+    try:
+        os.stat(opts.mountpoint)
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            raise stale() from None
     if not os.path.isdir(opts.mountpoint):
         raise UserError("mount point %s is not a directory" % opts.mountpoint, EXIT_USAGE)
-    opts.mountpoint = os.path.abspath(opts.mountpoint)
+    opts.mountpoint = os.path.realpath(opts.mountpoint)
+    if _mount_device(opts.mountpoint) is not None:
+        try:
+            os.listdir(opts.mountpoint)
+        except OSError as e:
+            if e.errno == errno.ENOTCONN:
+                raise stale() from None
+        raise UserError("%s is already a mount point (umount it first)" % opts.mountpoint, EXIT_MOUNT)
     if opts.source.startswith("@") and not opts.source.startswith("@/"):
         opts.source = "@" + os.path.abspath(opts.source[1:])
     for name in ("cache_dir", "log_file"):
         value = getattr(opts, name)
         if value:
             setattr(opts, name, os.path.abspath(value))
+    if opts.log_file:
+        try:
+            with open(opts.log_file, "a"):
+                pass
+        except OSError as e:
+            raise UserError("cannot write log_file %s: %s" % (opts.log_file, e.strerror or e),
+                            EXIT_USAGE) from None
 
 
 def _mount_device(mountpoint: str) -> str | None:
@@ -446,7 +519,7 @@ async def serve(opts: Options, store, ready) -> None:
             try:
                 await catalog.refresh(raise_errors=True)
             except StoreError as e:
-                raise UserError("cannot list %s: %s" % (opts.source, e), EXIT_SOURCE) from None
+                raise UserError("cannot list %s: %s" % (shown(opts.source), e), EXIT_SOURCE) from None
             try:
                 pyfuse3.init(ops, opts.mountpoint, opts.fuse)
             except RuntimeError as e:
@@ -498,6 +571,8 @@ def _run(opts: Options, ready) -> int:
             users = users.exceptions[0]
         if users is not None:
             raise users from None
+        if group.split(KeyboardInterrupt)[0] is not None:
+            raise KeyboardInterrupt from None
         raise
     return 0
 
@@ -540,20 +615,26 @@ def run_background(opts: Options, wait: float = 120.0) -> int:
     os.close(w)
     deadline = time.monotonic() + wait
     msg = b""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            os.kill(pid, signal.SIGTERM)
-            raise UserError("gave up waiting %.0fs for the mount to come up" % wait, EXIT_MOUNT)
-        readable, _, _ = select.select([r], [], [], left)
-        if readable:
-            chunk = os.read(r, 4096)
-            if not chunk:
-                break
-            msg += chunk
-            if msg.startswith(b"K"):
-                break
-    os.close(r)
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(pid, signal.SIGTERM)
+                raise UserError("gave up waiting %.0fs for the mount to come up" % wait, EXIT_MOUNT)
+            readable, _, _ = select.select([r], [], [], left)
+            if readable:
+                chunk = os.read(r, 4096)
+                if not chunk:
+                    break
+                msg += chunk
+                if msg.startswith(b"K"):
+                    break
+    except KeyboardInterrupt:
+        # The filesystem process stops too (it unmounts if it got that far).
+        os.kill(pid, signal.SIGTERM)
+        raise UserError("interrupted: not mounted", EXIT_INTERRUPTED) from None
+    finally:
+        os.close(r)
     if msg.startswith(b"K"):
         return 0
     _, status = os.waitpid(pid, 0)
@@ -580,7 +661,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 return _run(opts, lambda: None)
             except KeyboardInterrupt:
-                return 0
+                # Once mounted, SIGINT unmounts and returns 0 (serve's signal
+                # receiver); here it came before the mount was made.
+                raise UserError("interrupted: not mounted", EXIT_INTERRUPTED) from None
         return run_background(opts)
     except UserError as e:
         print("verneuil: error: %s" % e, file=sys.stderr)
