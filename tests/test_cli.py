@@ -419,6 +419,11 @@ def test_not_a_spool_and_bad_specs(tmp_path):
     assert_one_line_error(run(["flush", "--store", url]), "spool")
     assert_one_line_error(run(["ls", "--store", "file://%s/missing" % tmp_path]), "does not exist")
     assert_one_line_error(run(["manifest-name", "--hostname", "h", "relative.db"]), "absolute")
+    assert_one_line_error(run(["manifest-name", ""]), "PATH is empty")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    assert_one_line_error(run(["flush", "--store", "file://%s/notes.txt" % junk, "--spool", str(spool)]),
+                          "%s is not a directory" % (junk / "notes.txt"))
     assert_one_line_error(run(["fingerprint", "--key", "x" * 40, "/dev/null"]), "32 bytes")
     assert_one_line_error(run(["fingerprint", str(tmp_path / "missing")]), "cannot read")
     assert_one_line_error(run(["manifest", "--store", url, "-m", "not-a-manifest"]),

@@ -188,6 +188,8 @@ def cmd_fingerprint(args) -> int:
 
 def cmd_manifest_name(args) -> int:
     from . import format as fmt
+    if not args.path:
+        raise UserError("PATH is empty", EXIT_USAGE)
     try:
         print(fmt.manifest_name(args.path, args.hostname))
     except fmt.BadName as e:

@@ -122,6 +122,16 @@ class LocalBackend:
     def _root_missing(self) -> bool:
         return not os.path.isdir(self.root)
 
+    def _non_directory_on_path(self) -> str | None:
+        """The deepest existing component of the root's path, if it is not a
+        directory (a store URL naming a file, say)."""
+        path = self.root
+        while path != os.path.dirname(path):
+            if os.path.lexists(path):
+                return None if os.path.isdir(path) else path
+            path = os.path.dirname(path)
+        return None
+
     def _error(self, err: OSError, op: str, key: str | None) -> StoreError:
         """Map an OSError from operation `op` on `key` to a StoreError."""
         where = self.root if key is None else os.path.join(self.root, key)
@@ -130,6 +140,9 @@ class LocalBackend:
         code = err.errno
         if code in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):  # ELOOP: a symlink, not a blob
             if self._root_missing():
+                blocker = self._non_directory_on_path()
+                if blocker is not None:
+                    return BucketNotFound(f"{op} {where}: {blocker} is not a directory", key=key)
                 return BucketNotFound(
                     f"{op} {where}: directory {self.root} does not exist", key=key
                 )
