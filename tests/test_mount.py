@@ -1,4 +1,5 @@
-"""Real FUSE mounts of a directory store: one mount, many checks.
+"""Real FUSE mounts: one mount per store kind (a directory, and S3 through
+moto's server), many checks on each.
 
 Every wait is bounded; teardown always unmounts (`fusermount3 -u -z`) and
 ends the process it started, by PID.
@@ -43,12 +44,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Env:
     """The store, the sources published into it, and the mount."""
 
-    def __init__(self, root):
-        from verneuil_fuse.store import open_store
-
+    def __init__(self, root, store):
         self.root = str(root)
-        self.store_dir = os.path.join(self.root, "store")
-        self.store = open_store("file://" + self.store_dir)
+        self.store = store
+        self.url = store.url  # what the mount is given: file:///... or s3://...?endpoint=...
         self.sources: dict[str, bytes] = {}  # path in the mount -> bytes
         self.mount: Mount | None = None
 
@@ -69,16 +68,28 @@ class Env:
             self.sources[where] = f.read()
         return where
 
-    def add_bytes(self, data: bytes, path: str, *, host: str = HOST) -> str:
-        publish(self.store, data, path, hostname=host)
+    def add_bytes(self, data: bytes, path: str, *, host: str = HOST, compress: bool = True) -> str:
+        publish(self.store, data, path, hostname=host, compress=compress)
         where = "/%s%s" % (host, path)
         self.sources[where] = data
         return where
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    e = Env(tmp_path_factory.mktemp("mount"))
+@pytest.fixture(scope="module", params=["local", "s3"])
+def env(request, tmp_path_factory):
+    """One mount per store kind: every test here runs against a directory
+    store and an S3 store (moto's server)."""
+    root = tmp_path_factory.mktemp("mount-" + request.param)
+    if request.param == "s3":
+        server = request.getfixturevalue("s3_server")
+        if not server.running:  # a previous test left an outage behind
+            server.start()
+        store = server.make_store()
+    else:
+        from verneuil_fuse.store import open_store
+
+        store = open_store("file://%s/store" % root)
+    e = Env(root, store)
     e.add_db("big.db", 12000, seed=1)
     e.add_db("small.db", 300, seed=2)
     e.add_db("seq.db", 8000, seed=3, payload=300)
@@ -86,6 +97,7 @@ def env(tmp_path_factory):
     e.add_db("x.db", 2000, host="other-host", seed=5)
     e.add_db("v.db", 3000, seed=6)
     e.add_db("gone.db", 100, seed=7)
+    e.add_bytes(os.urandom(3 * CHUNK_SIZE + 17), "/data/raw.db", compress=False)  # chunks stored raw
     # Damaged replicas: one chunk corrupted, one chunk missing.
     for name in ("corrupt.db", "missing.db"):
         data = os.urandom(5 * CHUNK_SIZE)
@@ -96,7 +108,7 @@ def env(tmp_path_factory):
         else:
             e.store.chunks.delete(pub_fp.name)
     e.mount = Mount(
-        "file://" + e.store_dir,
+        e.url,
         os.path.join(e.root, "mnt"),
         "cache_dir=%s,refresh=0.5,retries=1,timeout=5,log_level=info,log_file=%s"
         % (os.path.join(e.root, "cache"), os.path.join(e.root, "verneuil.log")),
@@ -139,7 +151,8 @@ def test_tree_and_attributes(env):
 
 
 def test_bytes_equal_source(env):
-    for where in ("/%s/data/big.db" % HOST, "/%s/data/small.db" % HOST, "/other-host/data/x.db"):
+    for where in ("/%s/data/big.db" % HOST, "/%s/data/small.db" % HOST, "/other-host/data/x.db",
+                  "/%s/data/raw.db" % HOST):
         assert _read(env.mount.path(where)) == env.sources[where]
 
 
@@ -478,7 +491,7 @@ def test_mount_point_checks(env):
         return subprocess.run([sys.executable, "-m", "verneuil_fuse.mount", *args],
                               capture_output=True, text=True, timeout=60)
 
-    source = "file://" + env.store_dir
+    source = env.url
     opts = "cache_dir=%s" % os.path.join(env.root, "cache3")
     out = verneuil(source, env.mount.mountpoint, "-o", opts)
     assert out.returncode == 4 and "already a mount point" in out.stderr, out.stderr
@@ -545,7 +558,7 @@ def test_mount_helper_and_fstab(env):
 def _mount_helper_and_fstab(env):
     mnt = os.path.join(env.root, "mnt2")
     os.makedirs(mnt, exist_ok=True)
-    source = "file://" + env.store_dir
+    source = env.url
     opts = "cache_dir=%s" % os.path.join(env.root, "cache2")
     fstab = os.path.join(env.root, "fstab")
     with open(fstab, "w") as f:
@@ -571,7 +584,7 @@ def _mount_helper_and_fstab(env):
 
 def test_sigterm_unmounts(env):
     mnt = os.path.join(env.root, "mnt3")
-    m = Mount("file://" + env.store_dir, mnt, "cache_dir=%s,read_ahead_kb=256" % os.path.join(env.root, "cache3"))
+    m = Mount(env.url, mnt, "cache_dir=%s,read_ahead_kb=256" % os.path.join(env.root, "cache3"))
     m.start()
     try:
         assert os.listdir(m.mountpoint)
