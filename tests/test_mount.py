@@ -136,6 +136,9 @@ def _read(path: str) -> bytes:
 def test_tree_and_attributes(env):
     m = env.mount
     assert sorted(os.listdir(m.mountpoint)) == [".verneuil", "other-host", HOST]
+    for where in (m.mountpoint, m.path(HOST, "data")):
+        out = subprocess.run(["ls", "-a1", where], capture_output=True, text=True, timeout=30)
+        assert out.stdout.split()[:2] == [".", ".."], out
     listing = os.listdir(m.path(HOST, "data"))
     assert sorted(listing) == sorted(p.rsplit("/", 1)[1] for p in env.sources if p.startswith("/" + HOST))
     assert os.listdir(m.path(HOST, "data")) == listing  # stable order

@@ -150,8 +150,10 @@ class VerneuilFS(pyfuse3.Operations):
         if not isinstance(node, Directory):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         fh = self._fh()
-        # A snapshot, so offsets stay meaningful while the catalog changes.
-        self._dir_handles[fh] = self.catalog.listdir(inode)
+        # A snapshot, so offsets stay meaningful while the catalog changes;
+        # "." and ".." first, as `ls -a` and friends expect (the root's ".."
+        # is itself: the kernel resolves what lies above the mount).
+        self._dir_handles[fh] = [(".", node), ("..", node.parent or node)] + self.catalog.listdir(inode)
         return fh
 
     async def readdir(self, fh, start_id, token):
@@ -162,7 +164,8 @@ class VerneuilFS(pyfuse3.Operations):
             name, node = entries[i]
             if not pyfuse3.readdir_reply(token, os.fsencode(name), self.attributes(node), i + 1):
                 break
-            self.catalog.remember(node)
+            if i >= 2:  # the kernel takes no reference for "." and ".."
+                self.catalog.remember(node)
 
     async def releasedir(self, fh):
         self._dir_handles.pop(fh, None)
