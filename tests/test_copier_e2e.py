@@ -48,11 +48,13 @@ def test_round_trip(any_store, writer_kind, spool, tmp_path, capsys):
     w.execute("INSERT INTO big VALUES (randomblob(400000))")
     n = w.bump()
     c = Copier(spool, any_store, rate=0)
-    c.flush(timeout=60)
+    try:
+        c.flush(timeout=60)
+    finally:
+        c.close()
     m = fetch_manifest(any_store, w.name)
     assert restore_bytes(any_store, m) == w.data()
     assert counter_of(w.data(), str(tmp_path)) == n
-    c.close()
     # ls and manifest show it
     from verneuil_fuse import cli
     capsys.readouterr()
@@ -122,7 +124,7 @@ def test_constant_writes_no_livelock_no_deadlock(s3_server, writer_kind, spool, 
         while not done.is_set():
             w.bump()
 
-    t = threading.Thread(target=write)
+    t = threading.Thread(target=write, daemon=True)
     try:
         t.start()
         deadline = time.monotonic() + 5
@@ -132,7 +134,8 @@ def test_constant_writes_no_livelock_no_deadlock(s3_server, writer_kind, spool, 
                 seen.append(value)
             time.sleep(0.3)
         done.set()
-        t.join()
+        t.join(30)
+        assert not t.is_alive(), "the writer thread did not stop within 30 s of being told to"
         final = counter_of(w.data(), str(tmp_path))
         # No livelock: the store kept receiving newer snapshots while writes went on.
         assert len(seen) >= 3, seen
@@ -141,6 +144,8 @@ def test_constant_writes_no_livelock_no_deadlock(s3_server, writer_kind, spool, 
         assert wait_for(lambda: store_counter(store, w.name, str(tmp_path)) == final, 20, 0.2)
     finally:
         done.set()
+        if t.is_alive():
+            t.join(30)  # bounded; asserted above when the test got that far
         s3_server.latency = 0
         bg.stop()
         w.close()
@@ -189,7 +194,7 @@ def test_three_copier_processes_never_go_back_in_time(s3_server, writer_kind, sp
                 codes.append(p.wait(15))
             except subprocess.TimeoutExpired:
                 p.kill()
-                codes.append(p.wait())
+                codes.append(p.wait(30))
     errors = [p.stderr.read().decode() for p in procs]
     assert codes == [0, 0, 0], errors
     assert not any("Traceback" in e for e in errors), errors
@@ -212,21 +217,27 @@ def test_three_copier_processes_never_go_back_in_time(s3_server, writer_kind, sp
 def test_background_copier_stops_promptly(spool, local_store, tmp_path):
     w = Writer("py", spool, str(tmp_path / "app.db"))
     bg = start_background(spool, local_store, poll_interval=5)
-    w.bump()
-    bg.wake()
-    assert wait_for(lambda: store_counter(local_store, w.name, str(tmp_path)) == 1, 10)
-    start = time.monotonic()
-    assert bg.stop(5)
-    assert time.monotonic() - start < 2
-    assert not bg.running
-    w.close()
+    try:
+        w.bump()
+        bg.wake()
+        assert wait_for(lambda: store_counter(local_store, w.name, str(tmp_path)) == 1, 10)
+        start = time.monotonic()
+        assert bg.stop(5)
+        assert time.monotonic() - start < 2
+        assert not bg.running
+    finally:
+        bg.stop(10)  # a no-op when the test stopped it already
+        w.close()
 
 
 def test_background_flush_waits_for_everything(spool, local_store, tmp_path):
     w = Writer("py", spool, str(tmp_path / "app.db"))
-    with start_background(spool, local_store, poll_interval=10) as bg:
-        for _ in range(5):
-            w.bump()
-        bg.flush(10)
-        assert store_counter(local_store, w.name, str(tmp_path)) == 5
-    w.close()
+    try:
+        with start_background(spool, local_store, poll_interval=10) as bg:
+            for _ in range(5):
+                w.bump()
+            bg.flush(10)
+            assert store_counter(local_store, w.name, str(tmp_path)) == 5
+        assert not bg.running
+    finally:
+        w.close()

@@ -104,10 +104,26 @@ def rewrite(db, chunk: int) -> None:
     db.write_bytes(bytes(data))
 
 
+_copiers: list[Copier] = []
+
+
+@pytest.fixture(autouse=True)
+def close_copiers():
+    """Every copier a test makes (through `copier`) is closed after it,
+    passed or failed: no worker threads are left idling."""
+    try:
+        yield
+    finally:
+        while _copiers:
+            _copiers.pop().close()
+
+
 def copier(spool, store, **kw):
     kw.setdefault("rate", 0)
     kw.setdefault("lock_timeout", 1.0)
-    return Copier(spool, store, **kw)
+    c = Copier(spool, store, **kw)
+    _copiers.append(c)
+    return c
 
 
 def restored(store, w) -> bytes:
@@ -153,20 +169,24 @@ def test_seqlock_waits_for_staged_chunks_and_ready(env):
     w.snapshot()
     c = copier(spool, store)
     c.run_once()
+    first = db.read_bytes()
+    assert restored(store, w) == first
     rewrite(db, 2)
     w.snapshot()  # new ready + staged
-    # Hold back: pretend the staged chunks are still there and ready too.
     name = w.name
-    stale = open(w.db.sub("staging", "meta", name), "rb").read()
+    staged = fmt.decode_and_validate(open(w.db.sub("staging", "meta", name), "rb").read())
+    assert staged != fmt.decode_and_validate(store.manifests.get(name))
     ready = w.db.sub("ready")
     snap = os.listdir(ready)[0]
-    # Upload staging only while ready exists: the staged manifest must wait.
+    # Upload staging only while ready exists: the staged manifest must wait,
+    # and the store still serves the first snapshot.
     assert not c._sync_staged_manifest(w.db, w.db.sub("staging", "meta"), name, 0)
-    assert fmt.decode_and_validate(store.manifests.get(name)).len == len(db.read_bytes())
+    assert fmt.decode_and_validate(store.manifests.get(name)) != staged
+    assert restored(store, w) == first
     assert os.path.isdir(os.path.join(ready, snap))
     c.run_once()
-    assert restored(store, w) == db.read_bytes()
-    assert stale  # (read to make sure the file existed)
+    assert fmt.decode_and_validate(store.manifests.get(name)) == staged
+    assert restored(store, w) == db.read_bytes() != first
 
 
 def test_staging_chunks_are_uploaded_before_manifest(env):
@@ -208,6 +228,31 @@ def test_leftover_consuming_is_finished_and_busy_one_left(env):
     assert restored(store, w) == db.read_bytes()
 
 
+@pytest.mark.parametrize("kind", ["dangling", "to-a-directory", "file"])
+def test_a_consuming_that_is_not_a_directory_is_moved_aside(env, kind):
+    """Junk named `consuming` (a symlink, dangling or to a directory, or a
+    file) is dead-lettered, never followed; the ready snapshot then goes up."""
+    tmp, spool, store, db, w = env
+    w.snapshot()
+    elsewhere = tmp / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("not the copier's")
+    cons = w.db.sub("consuming")
+    if kind == "dangling":
+        os.symlink(str(tmp / "nothing-here"), cons)
+    elif kind == "to-a-directory":
+        os.symlink(str(elsewhere), cons)
+    else:
+        open(cons, "w").close()
+    c = copier(spool, store)
+    c.flush(10)
+    assert not os.path.lexists(cons) and not os.path.exists(w.db.sub("ready"))
+    assert restored(store, w) == db.read_bytes()
+    assert os.listdir(elsewhere) == ["keep.txt"]
+    dead = os.listdir(os.path.join(w.db.root, sp.DEAD_LETTER))
+    assert any(name.startswith("%s.consuming-file." % w.db.name) for name in dead), dead
+
+
 def test_unexpected_files_are_dead_lettered(env):
     tmp, spool, store, db, w = env
     w.snapshot()
@@ -234,9 +279,11 @@ def test_mismatched_chunk_blocks_its_manifest(env):
     os.chmod(os.path.join(chunks, victim), 0o644)
     with open(os.path.join(chunks, victim), "r+b") as f:
         f.write(b"corrupt!")
-    # also drop the staged manifest so only the ready one could be uploaded
+    # Also drop the staged manifest, so that only the ready one could be
+    # uploaded (staging/chunks is empty: the writer moved them to ready).
+    os.unlink(w.db.sub("staging", "meta", w.name))
+    assert os.listdir(w.db.sub("staging", "chunks")) == []
     c = copier(spool, store)
-    c._sync_staging = lambda db: False
     c.run_once()
     assert not store.manifests.exists(w.name)
     assert not store.chunks.exists(victim)
@@ -346,8 +393,9 @@ def test_not_a_spool(tmp_path):
     (tmp_path / "home" / "notes.txt").write_text("x")
     with pytest.raises(NotASpool):
         Copier(str(tmp_path / "home"), store)
-    Copier(str(tmp_path / "new"), store, create_spool=True)
+    copier(str(tmp_path / "new"), store, create_spool=True)
     assert (tmp_path / "new").is_dir()
+    store.close()
 
 
 def test_identity_changes_on_republish(tmp_path):
@@ -373,11 +421,14 @@ def test_manifest_lock_serialises_uploads(env):
     fcntl.flock(fd, fcntl.LOCK_EX)
     t = threading.Timer(0.5, os.close, (fd,))
     t.start()
-    start = time.monotonic()
-    c.run_once()
-    assert time.monotonic() - start >= 0.4
-    assert store.manifests.exists(w.name)
-    t.join()
+    try:
+        start = time.monotonic()
+        c.run_once()
+        assert time.monotonic() - start >= 0.4
+        assert store.manifests.exists(w.name)
+    finally:
+        t.join(10)
+    assert not t.is_alive()
 
 
 def test_idle_database_chunks_are_touched(env):

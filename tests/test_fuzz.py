@@ -12,8 +12,11 @@ parses outside input:
 - mount options: the mount CLI's parser raises only `UserError`, and what it
   accepts is safe to hand to libfuse;
 - spool contents: random junk files, directories, symlinks and FIFOs in a
-  spool: the copier never crashes or hangs, dead-letters the junk, never
-  uploads it, and still uploads the real snapshot.
+  spool: the copier never crashes or hangs, never uploads the junk nor
+  deletes it (each junk file, symlink or FIFO ends up where it was put or in
+  `dead-letter/`; emptied junk directories may be removed), leaves nothing
+  where it takes snapshots from (`ready`, `consuming`, `staging/chunks`),
+  and still uploads the real snapshot.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import math
 import os
 import random
 import shutil
+import stat
 import string
 import struct
 import tempfile
@@ -525,6 +529,24 @@ def _make_junk(path, kind, data, outside):
     return True
 
 
+def _non_dirs(path):
+    """{(st_dev, st_ino): path} of the files, symlinks and FIFOs that are
+    `path` or under it (symlinks are not followed).  Directories are left
+    out: a copier may remove an emptied one, and its inode number may then
+    be reused by anything."""
+    st_ = os.lstat(path)
+    if not stat.S_ISDIR(st_.st_mode):
+        return {(st_.st_dev, st_.st_ino): path}
+    out = {}
+    for d, dirs, files in os.walk(path):
+        for n in dirs + files:
+            p = os.path.join(d, n)
+            st_ = os.lstat(p)
+            if not stat.S_ISDIR(st_.st_mode):
+                out[(st_.st_dev, st_.st_ino)] = p
+    return out
+
+
 @settings(max_examples=30, deadline=30000,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large])
@@ -566,10 +588,12 @@ def test_spool_junk(tmp_path_factory, junk, with_ready):
     store = open_store("file://" + os.path.join(base, "store"))
     c = Copier(spool, store, rate=0, lock_timeout=0.5, backoff=None)
     made = []
+    planted = {}  # every junk file, symlink and FIFO (also inside a junk directory), by inode
     for place, name, kind, blob in junk:
         path = os.path.join(_place(w.db.root, w.db.path, place, snap_uuid), name)
         if _make_junk(path, kind, blob, outside):
             made.append((path, kind))
+            planted.update(_non_dirs(path))
     import threading
 
     outcome: list = []
@@ -610,5 +634,17 @@ def test_spool_junk(tmp_path_factory, junk, with_ready):
     assert restore_bytes(store, fetch_manifest(store, w.name)) == data
     with open(outside, "rb") as f:
         assert f.read() == b"outside the spool: never uploaded\n"
+    # Junk is moved aside, never deleted: each junk file, symlink or FIFO is
+    # where it was put or in dead-letter/.
+    now = _non_dirs(w.db.root)
+    dead_dir = os.path.join(w.db.root, sp.DEAD_LETTER) + os.sep
+    for ident, path in planted.items():
+        assert ident in now, "junk %s was deleted" % path
+        assert now[ident] == path or now[ident].startswith(dead_dir), (path, now[ident])
+    # Nothing is left where snapshots are taken from: the junk there went to
+    # dead-letter/.
+    assert not os.path.lexists(w.db.sub(sp.READY))
+    assert not os.path.lexists(w.db.sub(sp.CONSUMING))
+    assert sp.listdir_or_empty(w.db.sub(sp.STAGING, sp.CHUNKS)) == []
     store.close()
     shutil.rmtree(base, ignore_errors=True)

@@ -106,17 +106,25 @@ def test_put_if_absent(any_store):
 def test_put_if_absent_race(any_store):
     c = any_store.chunks
     results: list[bool] = []
-    barrier = threading.Barrier(6)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(6, timeout=30)
 
     def racer(i: int) -> None:
-        barrier.wait()
-        results.append(c.put_if_absent("raced", b"writer %d" % i))
+        try:
+            barrier.wait()
+            results.append(c.put_if_absent("raced", b"writer %d" % i))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
 
-    threads = [threading.Thread(target=racer, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=racer, args=(i,), daemon=True) for i in range(6)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 60
     for t in threads:
-        t.join()
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in threads if t.is_alive()]
+    assert not stuck, "put_if_absent racers still running after 60 s: %s" % stuck
+    assert not errors, errors
     assert sorted(results) == [False] * 5 + [True]
     assert c.get("raced").startswith(b"writer ")
 
@@ -328,30 +336,85 @@ def test_local_recreates_directory(tmp_path):
     assert backend.get("k") == b"v"
 
 
-def test_local_access_denied(tmp_path, monkeypatch):
-    import errno
+NOBODY = 65534
+# As in test_security: the interpreter uid 65534 runs (the test's own may live
+# under a directory only root can read, /root/.pyenv say).
+SYSTEM_PYTHON = "/usr/bin/python3"
 
-    from verneuil_fuse.store import local
-
-    backend = LocalBackend(tmp_path / "ro")
-    backend.put("k", b"v")
-    if os.geteuid() != 0:
-        os.chmod(tmp_path / "ro", 0o500)
-    else:  # root ignores permissions: fake the refusals
-
-        def refuse(*args, **kwargs):
-            raise PermissionError(errno.EACCES, "Permission denied")
-
-        monkeypatch.setattr(LocalBackend, "_write_new", refuse)
-        monkeypatch.setattr(local, "open", refuse, raising=False)
+# Run as an unprivileged user (root ignores permissions): the two refusals.
+_DENIED_PROBE = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+try:
+    from verneuil_fuse.store import AccessDenied, LocalBackend
+except Exception as e:  # the checkout is not readable by this user, say
+    print(json.dumps({"skip": "cannot import the store as uid 65534: %s" % e}))
+    sys.exit(0)
+backend = LocalBackend(sys.argv[1], create=False)
+out = {}
+for name, op in (("put", lambda: backend.put("k2", b"v")), ("get", lambda: backend.get("k"))):
     try:
-        with pytest.raises(AccessDenied):
-            backend.put("k2", b"v")
-        if os.geteuid() == 0:
+        op()
+        out[name] = "succeeded"
+    except AccessDenied as e:
+        out[name] = "AccessDenied: %s" % e
+    except Exception as e:
+        out[name] = "%s: %s" % (type(e).__name__, e)
+print(json.dumps(out))
+"""
+
+
+def test_local_access_denied(tmp_path):
+    """A directory we may not write to and a blob we may not read are
+    refused with AccessDenied (not NotFound, not a bare OSError).  Root
+    ignores permissions, so as root the two operations run in a process as
+    uid/gid 65534 with no groups (`setpriv`): the refusals are the kernel's."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if os.geteuid() != 0:
+        root = str(tmp_path / "ro")
+        backend = LocalBackend(root)
+        backend.put("k", b"v")
+        os.chmod(os.path.join(root, "k"), 0)
+        os.chmod(root, 0o500)
+        try:
+            with pytest.raises(AccessDenied):
+                backend.put("k2", b"v")
             with pytest.raises(AccessDenied):
                 backend.get("k")
+        finally:
+            os.chmod(root, 0o700)
+            os.chmod(os.path.join(root, "k"), 0o600)
+        assert os.listdir(root) == ["k"]
+        return
+    if shutil.which("setpriv") is None or not os.path.exists(SYSTEM_PYTHON):
+        pytest.skip("running as root, without setpriv or %s to drop privileges" % SYSTEM_PYTHON)
+    # A tree uid 65534 can walk into (pytest's tmp_path is 0700).
+    base = tempfile.mkdtemp(prefix="verneuil-store-denied-", dir="/tmp")
+    try:
+        os.chmod(base, 0o755)
+        root = os.path.join(base, "ro")
+        backend = LocalBackend(root)
+        backend.put("k", b"v")
+        os.chmod(root, 0o755)                      # others may look, not write
+        os.chmod(os.path.join(root, "k"), 0o600)   # nor read the blob
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        proc = subprocess.run(["setpriv", "--reuid=%d" % NOBODY, "--regid=%d" % NOBODY,
+                               "--clear-groups", SYSTEM_PYTHON, "-c", _DENIED_PROBE, root, repo],
+                              capture_output=True, text=True, timeout=60, cwd=base)
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads(proc.stdout)
+        if "skip" in got:
+            pytest.skip(got["skip"])
+        assert got["put"].startswith("AccessDenied: ") and "Permission denied" in got["put"], got
+        assert got["get"].startswith("AccessDenied: ") and "Permission denied" in got["get"], got
+        # Nothing was written, and the blob is intact.
+        assert os.listdir(root) == ["k"]
+        assert backend.get("k") == b"v"
     finally:
-        os.chmod(tmp_path / "ro", 0o700)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_local_transient_errors(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 
 import writer_vfs
 
@@ -50,17 +51,28 @@ def test_four_processes_share_one_spool(tmp_path):
     conn.execute("PRAGMA page_size=4096")
     conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, w INTEGER, v BLOB)")
     conn.close()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, spool, db, str(w), "150",
-                               str([0.0, 4.0, 4.0, 1e9][w])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for w in range(4)]
-    with open(db + ".go", "w"):
-        pass
+    procs: list[subprocess.Popen] = []
     stats = []
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err
-        stats.append(ast.literal_eval(out.strip().splitlines()[-1]))
+    try:
+        for w in range(4):
+            procs.append(subprocess.Popen([sys.executable, "-c", WORKER, spool, db, str(w), "150",
+                                           str([0.0, 4.0, 4.0, 1e9][w])],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        with open(db + ".go", "w"):
+            pass
+        deadline = time.monotonic() + 240
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert p.returncode == 0, err
+            stats.append(ast.literal_eval(out.strip().splitlines()[-1]))
+    finally:
+        # On a failure or a timeout, no worker is left running.
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+            p.stdout.close()
+            p.stderr.close()
     # Each writer updates the snapshot that the others staged: incremental
     # almost always (a full rebuild would mean a version mismatch).
     assert sum(s["incremental"] + s["unchanged"] for s in stats) >= 4 * 150, stats

@@ -396,19 +396,30 @@ class Copier:
             return False
         if not sp.is_enotempty(err):
             raise OSError(err, os.strerror(err), ready)
-        try:
-            os.rename(ready, db.sub(sp.CONSUMING))
-            return True
-        except FileNotFoundError:
-            return os.path.isdir(db.sub(sp.CONSUMING))
-        except OSError as e:
-            if sp.is_enotempty(e.errno):
-                return True  # a `consuming` exists: finish that one first
-            raise
+        consuming = db.sub(sp.CONSUMING)
+        for _ in range(2):
+            try:
+                os.rename(ready, consuming)
+                return True
+            except FileNotFoundError:
+                return os.path.isdir(consuming)
+            except OSError as e:
+                if sp.is_enotempty(e.errno):
+                    return True  # a `consuming` exists: finish that one first
+                not_ours = os.path.islink(consuming) or (
+                    os.path.lexists(consuming) and not os.path.isdir(consuming))
+                if e.errno != errno.ENOTDIR or not not_ours:
+                    raise
+                # `consuming` is a file or a symlink: not ours, moved aside.
+                self._dead_letter(db, consuming, "consuming-file")
+        return os.path.isdir(consuming)
 
     def _consume(self, db: sp.DbDir) -> bool:
         """Finish `consuming`; True if there was anything to do."""
         cons = db.sub(sp.CONSUMING)
+        if os.path.islink(cons):  # never followed: what it points to is not ours
+            self._dead_letter(db, cons, "consuming-file")
+            return True
         try:
             entries = os.listdir(cons)
         except FileNotFoundError:
