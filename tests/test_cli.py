@@ -65,6 +65,14 @@ def assert_one_line_error(proc, *needles):
         assert needle.lower() in err.lower(), err
 
 
+def assert_flush_restores(url, spool, path, data):
+    """`flush` succeeds, then `restore` of `path` gives exactly `data`."""
+    proc = run(["flush", "--store", url, "--spool", spool])
+    assert proc.returncode == 0, proc.stderr
+    proc = run(["restore", "--store", url, "-s", path, "-o", "-"])
+    assert proc.returncode == 0 and proc.stdout == data, proc.stderr
+
+
 # -- fingerprint / manifest-name against the vectors ----------------------------------
 
 def test_fingerprint_vectors_in_process(vectors, tmp_path, capsys):
@@ -252,10 +260,7 @@ def test_flush_timeout_stops_uploads_midway(tmp_path):
     assert 0 < len(sent) < 48
     # Earlier, smaller snapshots may have landed; the last one has not.
     assert run(["restore", "--store", url, "-s", w.path, "-o", "-"]).stdout != w.data()
-    proc = run(["flush", "--store", url, "--spool", str(spool)])
-    assert proc.returncode == 0, proc.stderr
-    proc = run(["restore", "--store", url, "-s", w.path, "-o", "-"])
-    assert proc.returncode == 0 and proc.stdout == w.data()
+    assert_flush_restores(url, str(spool), w.path, w.data())
     w.close()
 
 
@@ -276,10 +281,7 @@ def test_a_spool_ships_to_one_store(replicated, tmp_path):
     spool2.mkdir()
     w2 = Writer("py", str(spool2), w.path)
     w2.bump()
-    proc = run(["flush", "--store", other, "--spool", str(spool2)])
-    assert proc.returncode == 0, proc.stderr
-    proc = run(["restore", "--store", other, "-s", w.path, "-o", "-"])
-    assert proc.returncode == 0 and proc.stdout == w2.data()
+    assert_flush_restores(other, str(spool2), w.path, w2.data())
     w2.close()
 
 
