@@ -17,6 +17,7 @@ import pytest
 from verneuil_fuse import cli
 from verneuil_fuse import format as fmt
 
+import spoolutil
 from test_copier_support import Writer, vfs_available
 
 VECTORS = pathlib.Path(__file__).parent / "data" / "umash_verneuil.json"
@@ -276,6 +277,13 @@ def test_a_spool_ships_to_one_store(replicated, tmp_path):
     assert not os.path.exists(os.path.join(other[len("file://"):], "manifests", w.name))
     # The first store still takes it.
     assert run(["flush", "--store", url, "--spool", spool]).returncode == 0
+    # Junk in place of the record is moved aside, and the record made again.
+    db_dir = spoolutil.db_spool_dir(spool, w.path)
+    os.unlink(os.path.join(db_dir, "copier.store"))
+    os.symlink("/nonexistent", os.path.join(db_dir, "copier.store"))
+    w.bump()
+    assert run(["flush", "--store", url, "--spool", spool]).returncode == 0
+    assert open(os.path.join(db_dir, "copier.store")).read() == "file://%s/store/chunks" % tmp_path
     # Starting over for the other store: a fresh spool, a full snapshot.
     spool2 = tmp_path / "spool2"
     spool2.mkdir()

@@ -87,7 +87,6 @@ class _DbState:
     staged_bad: dict = dataclasses.field(default_factory=dict)    # name -> Identity
     last_raw: dict = dataclasses.field(default_factory=dict)      # name -> Fprint of raw bytes
     next_touch_check: float = 0.0                                 # time.monotonic()
-    store_checked: bool = False                                   # copier.store names ours
 
 
 def _raw_fp(raw: bytes) -> fmt.Fprint:
@@ -626,19 +625,24 @@ class Copier:
         """Record in the database's directory which chunk store it is shipped
         to (the first copier to get there writes `copier.store`), and refuse
         to ship it anywhere else: chunks leave the spool once uploaded, so a
-        second store would get manifests naming chunks it never received."""
-        state = self._state(db)
-        if state.store_checked:
-            return
+        second store would get manifests naming chunks it never received.
+        Read at every pass (one small file): the directory may have been
+        removed and made again meanwhile."""
         mine = self.store.chunks.identity()
         path = db.sub(sp.STORE_FILE)
-        try:
-            recorded = sp.read_regular(path, 4096).decode("utf-8", "replace")
-        except FileNotFoundError:
-            if sp.write_new(path, mine.encode()):
-                state.store_checked = True
-                return
-            recorded = sp.read_regular(path, 4096).decode("utf-8", "replace")
+        for _ in range(3):
+            if os.path.islink(path):  # not ours, never followed
+                self._dead_letter(db, path, "store")
+            try:
+                recorded = sp.read_regular(path, 4096).decode("utf-8", "replace")
+                break
+            except FileNotFoundError:
+                if sp.write_new(path, mine.encode()):
+                    return
+            except IsADirectoryError:  # a directory, FIFO...: not ours
+                self._dead_letter(db, path, "store")
+        else:
+            raise OSError(errno.EAGAIN, "cannot record the database's store", path)
         if recorded != mine:
             raise OtherStore(
                 "%s: this database's spool (%s) ships to %s, not %s: the chunks it sent there "
@@ -646,7 +650,6 @@ class Copier:
                 "(the VFS stages a full snapshot at the next commit; `verneuilctl sync DB` "
                 "makes one now) or give the writer another spool"
                 % (db.source() or db.name, db.path, recorded, mine, mine))
-        state.store_checked = True
 
     def sync_db(self, db: sp.DbDir) -> bool:
         """One pass over one database; True if work was done."""
