@@ -104,3 +104,16 @@ def test_verneuilctl_query_writes_csv(chain):
             for r in csv.DictReader(f):
                 rows.add((r["region"], int(r["n"]), float(r["total"]), os.path.basename(r["_source"])))
     assert rows == direct(sorted(paths)[:10])
+    # The same output again: refused before Spark starts, the result kept;
+    # a failing query says why in one line.
+    ctl = os.path.join(os.path.dirname(sys.executable), "verneuilctl")
+    before = sorted(os.listdir(out))
+    proc = subprocess.run([ctl, "query", replica_dir, QUERY, "--output", out],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "exists: use --force" in proc.stderr, proc.stderr
+    assert sorted(os.listdir(out)) == before
+    proc = subprocess.run([ctl, "query", os.path.join(replica_dir, "t0*.db"), "SELECT nope FROM orders",
+                           "--master", "local[2]"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].endswith("no such column: nope"), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -105,3 +105,75 @@ def test_bad_options_are_clear(spark, tmp_path):
         spark.read.format("verneuil").load(str(tmp_path)).collect()
     with pytest.raises(Exception, match="on_error"):
         spark.read.format("verneuil").option("query", QUERY).option("on_error", "x").load(str(tmp_path)).collect()
+
+
+def make_table(path, ddl, rows):
+    con = sqlite3.connect(path)
+    con.execute(ddl)
+    if rows:
+        con.executemany("INSERT INTO t VALUES (%s)" % ",".join("?" * len(rows[0])), rows)
+    con.commit()
+    con.close()
+    return str(path)
+
+
+def test_values_are_never_cast_silently(spark, tmp_path):
+    """Types are inferred from the first databases that have rows (a column
+    empty or NULL in the first file gets its type from the next). A value
+    the schema's type cannot hold exactly (a REAL in a bigint column) is an
+    error of that database (on_error) saying how to fix it, never a cast."""
+    a = make_table(tmp_path / "a.db", "CREATE TABLE t(x INTEGER, y TEXT)", [(1, "p"), (2, "q")])
+    b = make_table(tmp_path / "b.db", "CREATE TABLE t(x INTEGER, y TEXT)", [(3.75, "r"), (4.5, None)])
+    reader = spark.read.format("verneuil").option("query", "SELECT x, y FROM t").option("paths", json.dumps([a, b]))
+    df = reader.load()
+    assert df.schema["x"].dataType.simpleString() == "bigint"
+    with pytest.raises(Exception) as e:
+        df.collect()
+    why = vspark.explain(e.value)
+    assert "b.db" in why and "column x: 3.75 is not an integer" in why and ".schema" in why, why
+    assert sorted(r["x"] for r in reader.option("on_error", "skip").load().collect()) == [1, 2]
+    reported = reader.option("on_error", "report").load().collect()
+    (err,) = [r for r in reported if r["_error"]]
+    assert err["_source"] == b and "3.75 is not an integer" in err["_error"]
+    exact = (spark.read.format("verneuil").schema("x DOUBLE, y STRING, _source STRING")
+             .option("query", "SELECT x, y FROM t").option("paths", json.dumps([a, b])).load())
+    assert sorted((r["x"], r["y"]) for r in exact.collect()) == [(1.0, "p"), (2.0, "q"), (3.75, "r"), (4.5, None)]
+    # An empty first database: the types come from the next one.
+    empty = make_table(tmp_path / "0empty.db", "CREATE TABLE t(x INTEGER, y TEXT)", [])
+    df = (spark.read.format("verneuil").option("query", "SELECT x, y FROM t")
+          .option("paths", json.dumps([empty, b])).load())
+    assert [f.dataType.simpleString() for f in df.schema.fields[:2]] == ["double", "string"]
+    assert sorted(r["x"] for r in df.collect()) == [3.75, 4.5]
+
+
+def test_given_schema_types_text_attach_and_names(spark, tmp_path):
+    p = make_table(tmp_path / "c.db", "CREATE TABLE t(amount, at, ok, name)",
+                   [("12.50", "2026-11-24T01:02:03", 1, b"f\xffo".decode("latin-1").encode("latin-1"))])
+    con = sqlite3.connect(p)  # text that is not UTF-8
+    con.execute("UPDATE t SET name = CAST(X'66FF6F' AS TEXT)")
+    con.commit()
+    con.close()
+    before = open(p, "rb").read()
+    df = (spark.read.format("verneuil").schema("amount DECIMAL(10,2), at TIMESTAMP, ok BOOLEAN, name STRING")
+          .option("query", "SELECT amount, at, ok, name FROM t").load(p))
+    (row,) = df.collect()
+    import datetime
+    import decimal
+    assert row["amount"] == decimal.Decimal("12.50") and row["ok"] is True
+    assert row["at"] == datetime.datetime(2026, 11, 24, 1, 2, 3)
+    assert row["name"] == "f\ufffdo"
+    with pytest.raises(Exception, match="unsupported type"):
+        (spark.read.format("verneuil").schema("m MAP<STRING,INT>").option("query", "SELECT 1")
+         .load(p).collect())
+    # ATTACH is refused, and creates nothing.
+    with pytest.raises(Exception) as e:
+        spark.read.format("verneuil").option("query", "ATTACH '%s' AS x" % (tmp_path / "new.db")).load(p).collect()
+    assert "not authorized" in vspark.explain(e.value)
+    assert not os.path.exists(tmp_path / "new.db") and open(p, "rb").read() == before
+    with pytest.raises(Exception, match="AS"):
+        spark.read.format("verneuil").option("query", "SELECT 1 AS a, 2 AS a").load(p).collect()
+    with pytest.raises(Exception, match="partitions"):
+        spark.read.format("verneuil").option("query", "SELECT 1").option("partitions", "0").load(p).collect()
+    odd = tmp_path / "br[1].db"
+    os.link(p, odd)
+    assert vspark.find_databases(str(odd)) == [str(odd)]

@@ -591,13 +591,23 @@ def cmd_query(args) -> int:
         raise UserError("query needs PySpark (pip install 'verneuil_fuse[spark]'): %s" % e)
     try:
         spark.run_query(args.where, args.sql, master=args.master, output=args.output,
-                        show=args.show, on_error=args.on_error)
+                        show=args.show, on_error=args.on_error, force=args.force)
     except spark.VerneuilSourceError as e:
-        raise UserError(str(e), EXIT_USAGE)
+        raise UserError(str(e), EXIT_USAGE) from None
     except Exception as e:  # Spark wraps worker errors in long Java traces
-        first = str(e).strip().splitlines()
-        raise UserError("query failed: %s" % (first[0] if first else type(e).__name__))
+        why = spark.explain(e)
+        raise UserError(why if why.startswith("query failed") else "query failed: %s" % why) from None
     return EXIT_OK
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("%r is not an integer" % text) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("%r must not be negative" % text)
+    return value
 
 
 def _positive_float(text: str) -> float:
@@ -743,9 +753,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("where", metavar="MOUNT_OR_GLOB")
     p.add_argument("sql", metavar="SQL")
     p.add_argument("--output", metavar="OUT",
-                   help="write the result to OUT.parquet or OUT.csv (a Spark output directory)")
+                   help="write the result to OUT.parquet or OUT.csv (a Spark output directory; "
+                        "an existing one only with --force)")
     p.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
-    p.add_argument("--show", type=int, default=20, help="rows to show (default 20; 0: none)")
+    p.add_argument("--show", type=_nonneg_int, default=20, help="rows to show (default 20; 0: none)")
+    p.add_argument("-f", "--force", action="store_true",
+                   help="replace OUT if it exists (otherwise refused before the query runs)")
     p.add_argument("--on-error", choices=("fail", "skip", "report"), default="fail",
                    help="a database that fails: fail the job, skip it, or report it in _error")
     p.set_defaults(func=cmd_query)

@@ -9,8 +9,11 @@
 Each row carries the database it came from (column `_source`).  Databases
 are spread over partitions by size so executors share the work evenly.  The
 schema is given (`.schema(...)`; add `_source STRING` and, with
-on_error=report, `_error STRING` as its last columns to get them) or inferred from the first
-rows of the query on one database.  Files are opened read-only, as DESIGN.md
+on_error=report, `_error STRING` as its last columns to get them; types: the
+integer ones, boolean, float, double, decimal, string, binary, timestamp and
+date) or inferred from the first rows of the query on a few databases, types
+widened over them. A value its column's type cannot hold exactly (a REAL in a
+long column) is an error of that database, never a silent cast.  Files are opened read-only, as DESIGN.md
 says for replicas on the mount: `immutable=1` by default (an open handle on
 the mount pins one snapshot, so nothing changes under the connection), or
 `mode=ro` with option `immutable=false` for files that may change.
@@ -23,17 +26,21 @@ immutable (true/false), infer_rows (rows used to infer types, default 100).
 """
 from __future__ import annotations
 
+import datetime
+import decimal
 import glob
 import json
 import logging
 import os
+import re
 import sqlite3
 import urllib.parse
 from typing import Iterator, Sequence
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
-from pyspark.sql.types import (BinaryType, DataType, DoubleType, LongType,
-                               StringType, StructField, StructType)
+from pyspark.sql.types import (BinaryType, BooleanType, ByteType, DataType, DateType,
+                               DecimalType, DoubleType, FloatType, IntegerType, LongType,
+                               ShortType, StringType, StructField, StructType, TimestampType)
 
 log = logging.getLogger("verneuil_fuse.spark")
 
@@ -41,6 +48,12 @@ SOURCE_COLUMN = "_source"
 ERROR_COLUMN = "_error"
 # Enough rows to see a non-NULL value in most columns, few enough to be cheap.
 DEFAULT_INFER_ROWS = 100
+# Databases sampled to infer the schema: types are widened over all of them
+# (an INTEGER column holding a REAL in the second file is a double), and a
+# column NULL or empty in the first gets its type from the next. A handful
+# keeps the driver's work small with thousands of files; a value of another
+# type further on is a per-database error (`on_error`), never a silent cast.
+INFER_DATABASES = 8
 # More partitions than cores lets fast executors take more of the work; the
 # cap keeps scheduling overhead small when there are thousands of files.
 PARTITIONS_PER_CORE = 4
@@ -53,19 +66,26 @@ class VerneuilSourceError(ValueError):
     """Bad options or paths given to the data source."""
 
 
+class ConversionError(ValueError):
+    """A value that the schema's type cannot hold exactly (a REAL in a LONG
+    column, text in a DOUBLE one): an error of that database, like a failing
+    query, handled by `on_error`."""
+
+
 def find_databases(spec: str | Sequence[str]) -> list[str]:
     """Expand a directory (recursively, by suffix), a glob, a file, or a list
-    of those into a sorted list of database files."""
+    of those into a sorted list of database files. A name that exists is
+    taken as it is, even if it holds glob characters."""
     specs = [spec] if isinstance(spec, str) else list(spec)
     found: set[str] = set()
     for s in specs:
         if os.path.isdir(s):
             for root, _dirs, files in os.walk(s):
                 found.update(os.path.join(root, f) for f in files if f.endswith(DB_SUFFIXES))
-        elif any(c in s for c in "*?["):
-            found.update(p for p in glob.glob(s, recursive=True) if os.path.isfile(p))
         elif os.path.isfile(s):
             found.add(s)
+        elif any(c in s for c in "*?["):
+            found.update(p for p in glob.glob(s, recursive=True) if os.path.isfile(p))
         else:
             raise VerneuilSourceError("no such database, directory or glob match: %s" % s)
     if not found:
@@ -92,16 +112,28 @@ def balance(paths: Sequence[str], n_parts: int) -> list[list[str]]:
     return [sorted(g) for g in groups]
 
 
+def _deny_attach(action, *_args):
+    # ATTACH would open (and create) another file with the connection's
+    # default read-write flags; a query over replicas has no use for it.
+    return sqlite3.SQLITE_DENY if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH) else sqlite3.SQLITE_OK
+
+
 def connect_readonly(path: str, immutable: bool = True) -> sqlite3.Connection:
     """A read-only connection: `immutable=1` for a pinned snapshot file,
-    else `mode=ro`."""
+    else `mode=ro`. ATTACH is refused (it could create files); text that is
+    not UTF-8 is read with replacement characters, as the sqlite3 shell
+    shows it, instead of failing the whole database."""
     uri = "file:%s?%s" % (urllib.parse.quote(os.path.abspath(path)),
                           "immutable=1" if immutable else "mode=ro")
-    return sqlite3.connect(uri, uri=True, check_same_thread=False)
+    con = sqlite3.connect(uri, uri=True, check_same_thread=False)
+    con.set_authorizer(_deny_attach)
+    con.text_factory = lambda raw: raw.decode("utf-8", "replace")
+    return con
 
 
-def _spark_type(values) -> DataType:
-    kinds = {type(v) for v in values if v is not None}
+def _spark_type(kinds: set) -> DataType:
+    """The narrowest Spark type for values of these Python types (NULLs
+    left out): long, double, binary, else string."""
     if not kinds:
         return StringType()
     if kinds <= {int}:
@@ -113,38 +145,125 @@ def _spark_type(values) -> DataType:
     return StringType()
 
 
-def infer_schema(path: str, query: str, immutable: bool, rows: int,
+def infer_schema(paths: Sequence[str], query: str, immutable: bool, rows: int,
                  with_error: bool) -> StructType:
-    """Column names from the cursor; types from the first `rows` rows."""
-    con = connect_readonly(path, immutable)
-    try:
-        cur = con.execute(query)
-        names = [d[0] for d in cur.description or ()]
-        sample = cur.fetchmany(rows)
-    finally:
-        con.close()
-    if not names:
-        raise VerneuilSourceError("the query returns no columns: %s" % query)
-    fields = [StructField(n, _spark_type([r[i] for r in sample]), True) for i, n in enumerate(names)]
+    """Column names from the cursor; types from the first `rows` rows of the
+    query on up to INFER_DATABASES databases (fewer once every column has a
+    value), widened over all of them. Databases where the query fails are
+    passed over; if it fails on all of them, the last error is raised."""
+    names: list[str] | None = None
+    kinds: list[set] = []
+    last: Exception | None = None
+    for path in paths[:INFER_DATABASES]:
+        try:
+            con = connect_readonly(path, immutable)
+            try:
+                cur = con.execute(query)
+                these = [d[0] for d in cur.description or ()]
+                sample = cur.fetchmany(rows)
+            finally:
+                con.close()
+        except sqlite3.Error as e:
+            last = e
+            continue
+        if names is None:
+            names = these
+            kinds = [set() for _ in names]
+            if not names:
+                raise VerneuilSourceError("the query returns no columns: %s" % query)
+            clash = sorted({n for n in names if names.count(n) > 1 or n in (SOURCE_COLUMN, ERROR_COLUMN)})
+            if clash:
+                raise VerneuilSourceError("the query returns columns named %s more than once or "
+                                          "reserved (%s, %s): give them other names with AS"
+                                          % (", ".join(clash), SOURCE_COLUMN, ERROR_COLUMN))
+        elif these != names:
+            continue  # another shape: that database's error, at read time
+        for row in sample:
+            for i, v in enumerate(row):
+                if v is not None:
+                    kinds[i].add(type(v))
+        if all(kinds):
+            break  # every column has a type: no need to run the query on more databases
+    if names is None:
+        raise VerneuilSourceError("cannot infer the schema of %r: %s" % (query, last))
+    fields = [StructField(n, _spark_type(k), True) for n, k in zip(names, kinds)]
     fields.append(StructField(SOURCE_COLUMN, StringType(), False))
     if with_error:
         fields.append(StructField(ERROR_COLUMN, StringType(), True))
     return StructType(fields)
 
 
+def _integer(value, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConversionError("%r is not an integer" % (value,))
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ConversionError("%r is not an integer" % (value,))
+        value = int(value)
+    if not lo <= value <= hi:
+        raise ConversionError("%d is out of range" % value)
+    return value
+
+
+def _timestamp(value) -> datetime.datetime:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return datetime.datetime.fromtimestamp(value, datetime.timezone.utc)
+    if isinstance(value, str):
+        try:
+            return datetime.datetime.fromisoformat(value)
+        except ValueError:
+            pass
+    raise ConversionError("%r is not a time (unix seconds or ISO 8601)" % (value,))
+
+
+# Spark type -> exact conversion of a SQLite value (None never reaches them).
+_CONVERTERS = {
+    LongType: lambda v: _integer(v, -(1 << 63), (1 << 63) - 1),
+    IntegerType: lambda v: _integer(v, -(1 << 31), (1 << 31) - 1),
+    ShortType: lambda v: _integer(v, -(1 << 15), (1 << 15) - 1),
+    ByteType: lambda v: _integer(v, -128, 127),
+    BooleanType: lambda v: bool(_integer(v, 0, 1)),
+}
+
+
 def _convert(value, dtype: DataType):
+    """`value` (from SQLite) as `dtype` holds it, exactly; ConversionError
+    when it cannot (never a silent cast such as a REAL truncated)."""
     if value is None:
         return None
-    if isinstance(dtype, LongType):
-        return int(value)
-    if isinstance(dtype, DoubleType):
+    conv = _CONVERTERS.get(type(dtype))
+    if conv is not None:
+        return conv(value)
+    if isinstance(dtype, (DoubleType, FloatType)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConversionError("%r is not a number" % (value,))
         return float(value)
-    if isinstance(dtype, BinaryType):
-        return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else str(value).encode()
+    if isinstance(dtype, DecimalType):
+        if isinstance(value, (bytes, bool)):
+            raise ConversionError("%r is not a number" % (value,))
+        try:
+            return decimal.Decimal(str(value))
+        except decimal.InvalidOperation:
+            raise ConversionError("%r is not a number" % (value,)) from None
     if isinstance(dtype, StringType):
         return value if isinstance(value, str) else (
             value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value))
-    return value
+    if isinstance(dtype, BinaryType):
+        return value if isinstance(value, bytes) else str(value).encode()
+    if isinstance(dtype, TimestampType):
+        return _timestamp(value)
+    if isinstance(dtype, DateType):
+        if isinstance(value, str):
+            try:
+                return datetime.date.fromisoformat(value)
+            except ValueError:
+                pass
+        return _timestamp(value).date()
+    raise ConversionError("type %s is not supported" % dtype.simpleString())
+
+
+SUPPORTED_TYPES = (LongType, IntegerType, ShortType, ByteType, BooleanType, DoubleType, FloatType,
+                   DecimalType, StringType, BinaryType, TimestampType, DateType)
 
 
 class _Options:
@@ -168,8 +287,20 @@ class _Options:
         if self.on_error not in ON_ERROR:
             raise VerneuilSourceError("on_error must be one of %s" % ", ".join(ON_ERROR))
         self.immutable = options.get("immutable", "true").lower() not in ("false", "0", "no")
-        self.infer_rows = int(options.get("infer_rows", DEFAULT_INFER_ROWS))
-        self.partitions = int(options["partitions"]) if "partitions" in options else None
+        self.infer_rows = self._positive(options, "infer_rows", DEFAULT_INFER_ROWS)
+        self.partitions = self._positive(options, "partitions", None)
+
+    @staticmethod
+    def _positive(options: dict, name: str, default):
+        if name not in options:
+            return default
+        try:
+            value = int(options[name])
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise VerneuilSourceError("option %s must be a positive integer, not %r" % (name, options[name]))
+        return value
 
 
 class VerneuilDataSource(DataSource):
@@ -181,14 +312,8 @@ class VerneuilDataSource(DataSource):
 
     def schema(self) -> StructType:
         opts = _Options(self.options)
-        last: Exception | None = None
-        for path in opts.paths[:8]:  # a failing first database need not sink inference
-            try:
-                return infer_schema(path, opts.query, opts.immutable, opts.infer_rows,
-                                    opts.on_error == "report")
-            except sqlite3.Error as e:
-                last = e
-        raise VerneuilSourceError("cannot infer the schema of %r: %s" % (opts.query, last))
+        return infer_schema(opts.paths, opts.query, opts.immutable, opts.infer_rows,
+                            opts.on_error == "report")
 
     def reader(self, schema: StructType) -> "VerneuilReader":
         return VerneuilReader(_Options(self.options), schema)
@@ -214,6 +339,11 @@ class VerneuilReader(DataSourceReader):
             raise VerneuilSourceError("%s and %s must be the last columns of the schema"
                                       % (SOURCE_COLUMN, ERROR_COLUMN))
         self.query_fields = [f for f in schema.fields if f.name not in (SOURCE_COLUMN, ERROR_COLUMN)]
+        odd = [f for f in self.query_fields if not isinstance(f.dataType, SUPPORTED_TYPES)]
+        if odd:
+            raise VerneuilSourceError("unsupported type in the schema: %s (use %s)" % (
+                ", ".join("%s %s" % (f.name, f.dataType.simpleString()) for f in odd),
+                ", ".join(t.typeName() for t in SUPPORTED_TYPES)))
 
     @staticmethod
     def query_names(names):
@@ -239,7 +369,7 @@ class VerneuilReader(DataSourceReader):
         for path in partition.paths:
             try:
                 rows = list(self._query(path))
-            except sqlite3.Error as e:
+            except (sqlite3.Error, ConversionError) as e:
                 if self.opts.on_error == "fail":
                     raise RuntimeError("query failed on %s: %s" % (path, e)) from None
                 log.warning("skipping %s: %s", path, e)
@@ -257,8 +387,18 @@ class VerneuilReader(DataSourceReader):
             if width != len(self.query_fields):
                 raise sqlite3.OperationalError(
                     "query returns %d columns, schema has %d" % (width, len(self.query_fields)))
+            names = [f.name for f in self.query_fields]
             for row in cur:
-                yield [_convert(v, f.dataType) for v, f in zip(row, self.query_fields)]
+                out = []
+                for v, f, name in zip(row, self.query_fields, names):
+                    try:
+                        out.append(_convert(v, f.dataType))
+                    except ConversionError as e:
+                        raise ConversionError(
+                            "column %s: %s for type %s (types were inferred from the first "
+                            "databases: give the schema with .schema(...) if they differ)"
+                            % (name, e, f.dataType.simpleString())) from None
+                yield out
         finally:
             con.close()
 
@@ -308,12 +448,43 @@ def _progress(sc, stop, stream) -> None:
         stream.flush()
 
 
+# The lines of a wrapped Python worker or data source error that say what
+# went wrong (Spark puts the whole Python traceback, and Java's, in its
+# exception's message).
+_CAUSE = re.compile(r"^(?:\w+\.)*(VerneuilSourceError|ConversionError|RuntimeError|"
+                    r"(?:sqlite3\.)?\w*Error)\: (.+)$")
+
+
+def explain(error: BaseException) -> str:
+    """One line saying why a Spark job of this data source failed: the last
+    error line of the Python traceback inside Spark's message, else the
+    message's first line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    causes = [m.group(2) for m in map(_CAUSE.match, lines) if m and "Traceback" not in m.group(2)]
+    if causes:
+        return causes[-1]
+    return lines[0] if lines else type(error).__name__
+
+
+def check_output(output: str, force: bool) -> None:
+    """Refuse an --output that cannot or must not be written, before Spark
+    starts: a Spark output is a directory, replaced only with force."""
+    if not output.endswith((".parquet", ".csv")):
+        raise VerneuilSourceError("--output must end in .parquet or .csv: %s" % output)
+    if os.path.lexists(output) and not force:
+        raise VerneuilSourceError("%s exists: use --force to replace it" % output)
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise VerneuilSourceError("cannot write %s: no directory %s" % (output, parent))
+
+
 def run_query(spec, query: str, master: str = "local[*]", output: str | None = None,
-              show: int = 20, on_error: str = "fail", stream=None) -> int:
+              show: int = 20, on_error: str = "fail", stream=None, force: bool = False) -> int:
     """`verneuilctl query`: run `query` over the databases of `spec` (a
     directory such as a mount, a glob, a file or a list), show the first
     `show` rows and write all of them to `output` (.parquet or .csv, a Spark
-    output directory) if given.  Returns the number of rows."""
+    output directory; an existing one only with `force`) if given.  Returns
+    the number of rows."""
     import sys
     import threading
 
@@ -321,9 +492,12 @@ def run_query(spec, query: str, master: str = "local[*]", output: str | None = N
     paths = find_databases(spec)
     total = sum(os.path.getsize(p) for p in paths)
     stream.write("%d databases, %.1f MB\n" % (len(paths), total / 1e6))
-    if output and not output.endswith((".parquet", ".csv")):
-        raise VerneuilSourceError("--output must end in .parquet or .csv: %s" % output)
+    if output:
+        check_output(output, force)
     spark = spark_session(master, app="verneuilctl-query")
+    # Failures come back as one line (`explain`); Spark's own ERROR lines
+    # would repeat them as Java stack traces.
+    spark.sparkContext.setLogLevel("FATAL")
     stop = threading.Event()
     ticker = None
     try:
@@ -340,7 +514,7 @@ def run_query(spec, query: str, master: str = "local[*]", output: str | None = N
         if show:
             print(df._jdf.showString(show, 0, False))
         if output:
-            writer = df.coalesce(1).write.mode("overwrite")
+            writer = df.coalesce(1).write.mode("overwrite" if force else "errorifexists")
             if output.endswith(".parquet"):
                 writer.parquet(output)
             else:
