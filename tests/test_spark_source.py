@@ -177,3 +177,37 @@ def test_given_schema_types_text_attach_and_names(spark, tmp_path):
     odd = tmp_path / "br[1].db"
     os.link(p, odd)
     assert vspark.find_databases(str(odd)) == [str(odd)]
+
+
+def test_ctrl_c_during_a_query_says_so_once(tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while
+    Spark runs a long query: exit 130, one line, no traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    db = make_table(tmp_path / "a.db", "CREATE TABLE t(x)", [(1,)])
+    slow = ("WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM c WHERE i < 3000000000) "
+            "SELECT count(*) FROM c")
+    ctl = os.path.join(os.path.dirname(sys.executable), "verneuilctl")
+    p = subprocess.Popen([ctl, "query", db, slow, "--master", "local[1]"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until the query runs (after Spark's start-up)
+            time.sleep(1)
+            children = subprocess.run(["pgrep", "-f", "pyspark.daemon|pyspark.worker"],
+                                      capture_output=True, text=True).stdout.split()
+            if children or p.poll() is not None:
+                break
+        time.sleep(2)
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+    assert p.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == "verneuilctl: error: interrupted", err[-2000:]
+    assert "Traceback" not in err, err[-3000:]

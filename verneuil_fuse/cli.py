@@ -589,6 +589,11 @@ def cmd_query(args) -> int:
         from . import spark
     except ImportError as e:
         raise UserError("query needs PySpark (pip install 'verneuil_fuse[spark]'): %s" % e)
+    if args.verbose < 2:
+        # py4j logs tracebacks through the root logger when Ctrl-C cuts a
+        # call to the JVM; the interruption is reported once, by main().
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(lambda record: "%spy4j%s" % (os.sep, os.sep) not in record.pathname)
     try:
         spark.run_query(args.where, args.sql, master=args.master, output=args.output,
                         show=args.show, on_error=args.on_error, force=args.force)
