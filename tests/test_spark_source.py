@@ -197,7 +197,8 @@ def test_ctrl_c_during_a_query_says_so_once(tmp_path):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # until the query runs (after Spark's start-up)
             time.sleep(1)
-            children = subprocess.run(["pgrep", "-f", "pyspark.daemon|pyspark.worker"],
+            # Its own Python workers (in its session), not another test's.
+            children = subprocess.run(["pgrep", "-s", str(p.pid), "-f", "pyspark.daemon|pyspark.worker"],
                                       capture_output=True, text=True).stdout.split()
             if children or p.poll() is not None:
                 break
