@@ -403,22 +403,54 @@ class VerneuilReader(DataSourceReader):
             con.close()
 
 
-def spark_session(master: str = "local[*]", app: str = "verneuil"):
+# The driver JVM's logging for command-line runs (`quiet`): nothing below
+# FATAL, so neither Spark's start-up notices nor its task errors (Java stack
+# traces) reach the terminal; the command reports a failure once, in one line.
+_QUIET_LOG4J = """\
+rootLogger.level = fatal
+rootLogger.appenderRef.stderr.ref = stderr
+# PySpark's driver counts as a shell: its level, if it differs from the
+# root's, replaces it with a notice ("Setting default log level").
+logger.repl.name = org.apache.spark.repl.Main
+logger.repl.level = fatal
+appender.stderr.type = Console
+appender.stderr.name = stderr
+appender.stderr.target = SYSTEM_ERR
+appender.stderr.layout.type = PatternLayout
+appender.stderr.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n
+"""
+
+
+def spark_session(master: str = "local[*]", app: str = "verneuil", quiet: bool = False):
     """A SparkSession set up for this machine (loopback only, this Python on
-    the workers) with the data source registered."""
+    the workers) with the data source registered. `quiet`: the JVM logs only
+    fatal errors, from its start on (for command-line tools)."""
     import sys
+    import tempfile
 
     from pyspark.sql import SparkSession
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    spark = (SparkSession.builder.master(master).appName(app)
-             .config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.bindAddress", "127.0.0.1")
-             .config("spark.sql.shuffle.partitions", "4")
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    builder = (SparkSession.builder.master(master).appName(app)
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.bindAddress", "127.0.0.1")
+               .config("spark.sql.shuffle.partitions", "4"))
+    log_config = None
+    if quiet:
+        # Read by the driver JVM as it starts (PySpark hands the session's
+        # options to spark-submit), so it must exist only until then.
+        fd, log_config = tempfile.mkstemp(prefix="verneuil-log4j2-", suffix=".properties")
+        with os.fdopen(fd, "w") as f:
+            f.write(_QUIET_LOG4J)
+        builder = builder.config("spark.driver.extraJavaOptions", "-Dlog4j2.configurationFile=file:" + log_config)
+    try:
+        spark = builder.getOrCreate()
+    finally:
+        if log_config is not None:
+            os.unlink(log_config)
+    spark.sparkContext.setLogLevel("FATAL" if quiet else "ERROR")
     spark.dataSource.register(VerneuilDataSource)
     return spark
 
@@ -494,10 +526,7 @@ def run_query(spec, query: str, master: str = "local[*]", output: str | None = N
     stream.write("%d databases, %.1f MB\n" % (len(paths), total / 1e6))
     if output:
         check_output(output, force)
-    spark = spark_session(master, app="verneuilctl-query")
-    # Failures come back as one line (`explain`); Spark's own ERROR lines
-    # would repeat them as Java stack traces.
-    spark.sparkContext.setLogLevel("FATAL")
+    spark = spark_session(master, app="verneuilctl-query", quiet=True)
     stop = threading.Event()
     ticker = None
     try:
