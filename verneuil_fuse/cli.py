@@ -605,24 +605,21 @@ def cmd_query(args) -> int:
     return EXIT_OK
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("%r is not an integer" % text) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("%r must not be negative" % text)
-    return value
+def _not_negative(convert, noun: str):
+    """An argparse type: `convert` (int, float) of the text, 0 or more."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError("%r is not %s" % (text, noun)) from None
+        if value < 0:
+            raise argparse.ArgumentTypeError("%r must not be negative" % text)
+        return value
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("%r is not a number" % text) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("%r must not be negative" % text)
-    return value
+_nonneg_int = _not_negative(int, "an integer")
+_positive_float = _not_negative(float, "a number")
 
 
 def build_parser() -> argparse.ArgumentParser:
