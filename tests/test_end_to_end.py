@@ -96,7 +96,9 @@ def test_verneuilctl_query_writes_csv(chain):
                            "--output", out, "--show", "5"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "10 databases" in proc.stderr
+    # Only the command's own lines: none of the JVM's start-up notices.
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[0].startswith("10 databases, ") and lines[1] == "wrote 40 rows to " + out, lines
     assert "_source" in proc.stdout  # the first rows are shown
     rows = set()
     for part in glob.glob(os.path.join(out, "part-*.csv")):
@@ -116,4 +118,5 @@ def test_verneuilctl_query_writes_csv(chain):
                            "--master", "local[2]"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].endswith("no such column: nope"), proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 2, proc.stderr[-2000:]  # the count, the error
     assert "Traceback" not in proc.stderr

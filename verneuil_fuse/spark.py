@@ -421,35 +421,69 @@ appender.stderr.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n
 """
 
 
+# What the driver JVM prints on stderr before any logging is set up, in
+# every run: notices for a Spark shell user, noise for a command-line tool.
+# `quiet` sessions drop exactly these lines and pass everything else on.
+_JVM_NOTICES = (
+    b"WARNING: Using incubator modules:",
+    b'Setting default log level to "',
+    b"To adjust logging level use sc.setLogLevel(",
+)
+
+
+def _forward_stderr(pipe, notices: tuple[bytes, ...] = _JVM_NOTICES) -> None:
+    """Copy the JVM's stderr, line by line, to ours, without its notices
+    (runs in a daemon thread until the JVM closes its end)."""
+    import sys
+    with pipe:
+        for line in pipe:
+            if line.startswith(notices):
+                continue
+            try:
+                sys.stderr.write(line.decode("utf-8", "replace"))
+                sys.stderr.flush()
+            except (OSError, ValueError):  # our stderr is gone: keep draining
+                pass
+
+
 def spark_session(master: str = "local[*]", app: str = "verneuil", quiet: bool = False):
     """A SparkSession set up for this machine (loopback only, this Python on
-    the workers) with the data source registered. `quiet`: the JVM logs only
-    fatal errors, from its start on (for command-line tools)."""
+    the workers) with the data source registered. `quiet` (for command-line
+    tools): the JVM logs only fatal errors, from its start on, and its
+    start-up notices are dropped from its stderr."""
+    import subprocess
     import sys
     import tempfile
+    import threading
 
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
     from pyspark.sql import SparkSession
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    builder = (SparkSession.builder.master(master).appName(app)
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.sql.shuffle.partitions", "4"))
-    log_config = None
-    if quiet:
-        # Read by the driver JVM as it starts (PySpark hands the session's
-        # options to spark-submit), so it must exist only until then.
+    conf = (SparkConf().setMaster(master).setAppName(app)
+            .set("spark.ui.enabled", "false")
+            .set("spark.ui.showConsoleProgress", "false")
+            .set("spark.driver.bindAddress", "127.0.0.1")
+            .set("spark.sql.shuffle.partitions", "4"))
+    if not quiet or SparkContext._active_spark_context is not None:
+        spark = SparkSession.builder.config(conf=conf).getOrCreate()
+    else:
+        # Read by the driver JVM as it starts (spark-submit gets the
+        # options), so the file must exist only until then.
         fd, log_config = tempfile.mkstemp(prefix="verneuil-log4j2-", suffix=".properties")
-        with os.fdopen(fd, "w") as f:
-            f.write(_QUIET_LOG4J)
-        builder = builder.config("spark.driver.extraJavaOptions", "-Dlog4j2.configurationFile=file:" + log_config)
-    try:
-        spark = builder.getOrCreate()
-    finally:
-        if log_config is not None:
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(_QUIET_LOG4J)
+            conf.set("spark.driver.extraJavaOptions", "-Dlog4j2.configurationFile=file:" + log_config)
+            gateway = launch_gateway(conf, popen_kwargs={"stderr": subprocess.PIPE})
+        finally:
             os.unlink(log_config)
+        threading.Thread(target=_forward_stderr, args=(gateway.proc.stderr,),
+                         name="spark-stderr", daemon=True).start()
+        SparkContext(conf=conf, gateway=gateway)
+        spark = SparkSession.builder.getOrCreate()
     spark.sparkContext.setLogLevel("FATAL" if quiet else "ERROR")
     spark.dataSource.register(VerneuilDataSource)
     return spark
