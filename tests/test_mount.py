@@ -242,6 +242,35 @@ def test_removed_database_disappears(env):
     assert "gone.db" not in os.listdir(m.path(HOST, "data"))
 
 
+def test_hydrate_fills_the_cache_then_reads_need_no_get(env):
+    """A second mount with `hydrate` and an empty cache: every database is
+    fetched in the background (the damaged ones end `incomplete`, saying
+    why); then whole files read back equal with no GET."""
+    cache_dir = os.path.join(env.root, "hydrate-cache")
+    log = os.path.join(env.root, "hydrate.log")
+    with Mount(env.url, os.path.join(env.root, "mnt-hydrate"),
+               "hydrate,cache_dir=%s,refresh=0.5,retries=0,timeout=5,log_file=%s" % (cache_dir, log)) as m:
+        def settled():
+            dbs = m.stats()["databases"]
+            hs = {path: d.get("hydration") for path, d in dbs.items()}
+            return hs if len(hs) == len(env.sources) and all(
+                h is not None and h["state"] != "running" for h in hs.values()) else None
+
+        states = wait_for(settled, 60, "every database to be hydrated")
+        for where, h in states.items():
+            if where.endswith(("/corrupt.db", "/missing.db")):
+                assert (h["state"], h["failed"]) == ("incomplete", 1), (where, h)
+                assert _chunk_fp(env, where, 2).name in h["error"], h
+            else:
+                assert h["state"] == "done" and h["fetched"] == h["chunks"] and h["failed"] == 0, (where, h)
+        assert "hydration of /%s/data/missing.db is incomplete" % HOST in open(log).read()
+        gets = m.stats()["fetch"]["gets"]
+        for where, data in env.sources.items():
+            if not where.endswith(("/corrupt.db", "/missing.db")):
+                assert _read(m.path(where)) == data, where
+        assert m.stats()["fetch"]["gets"] == gets
+
+
 @pytest.mark.parametrize("name", ["corrupt.db", "missing.db"])
 def test_bad_chunk_is_eio_never_wrong_bytes(env, name):
     where = "/%s/data/%s" % (HOST, name)

@@ -40,6 +40,7 @@ def test_help_lists_own_options():
     (["file:///tmp", "/tmp", "-o", "concurrency=50000000"], 2, "at most 256"),
     (["file:///tmp", "/tmp", "-o", "cache_size=1"], 2, "at least 16M"),
     (["file:///tmp", "/tmp", "-o", "cache_dir="], 2, "an empty path"),
+    (["file:///tmp", "/tmp", "-o", "hydrate,cache_size=0"], 2, "option hydrate needs a disk cache"),
     (["file:///tmp", "/tmp", "-o", "fsname="], 2, "option fsname needs a value"),
     (["s3://user:secret@bucket", "/tmp"], 3, "s3://***@bucket"),
 ])

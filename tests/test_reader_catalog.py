@@ -6,7 +6,7 @@ import random
 
 import trio
 
-from replicas import make_db, publish
+from replicas import HOST, make_db, publish
 from verneuil_fuse.catalog import Catalog, Directory, display_path
 from verneuil_fuse.fetcher import Fetcher
 from verneuil_fuse.format import CHUNK_SIZE, manifest_name
@@ -270,26 +270,86 @@ def test_base_chunk_manifest(local_store):
 
 
 def test_hydrate_fills_the_disk_cache(local_store, tmp_path):
+    """Hydration fetches every chunk of the newest version into the disk
+    cache, says how far it went in the stats, ends `incomplete` when a chunk
+    cannot be fetched and starts again HYDRATE_RETRY_SECONDS later; a new
+    version is hydrated in its turn."""
     from verneuil_fuse.cache import ChunkCache
+    from verneuil_fuse.catalog import HYDRATE_RETRY_SECONDS
 
     pub = publish(local_store, os.urandom(6 * CHUNK_SIZE), "/h.db")
+    chunks = [fp for i, fp in enumerate(pub.manifest.chunks) if i > 0]  # chunk 0 is in the manifest
+    missing = chunks[3]
+    saved = local_store.chunks.get(missing.name)
+    local_store.chunks.delete(missing.name)
     cache_dir = str(tmp_path / "cache")
+    now = [1000.0]
 
     async def main():
-        fetcher = Fetcher(local_store, ChunkCache(cache_dir, 1 << 26))
+        fetcher = Fetcher(local_store, ChunkCache(cache_dir, 1 << 26), retries=0)
+        async with trio.open_nursery() as nursery:
+            fetcher.bind(nursery)
+            cat = Catalog(fetcher, hydrate=True, clock=lambda: now[0])
+            cat.bind(nursery)
+
+            async def state() -> dict:
+                with trio.fail_after(10):
+                    while True:
+                        h = cat.stats()["databases"]["/%s/h.db" % HOST]["hydration"]
+                        if h["state"] != "running":
+                            return h
+                        await trio.sleep(0.02)
+
+            await cat.refresh()
+            h = await state()
+            assert (h["state"], h["chunks"], h["fetched"], h["failed"]) == ("incomplete", 5, 4, 1), h
+            assert missing.name in h["error"]
+            local_store.chunks.put(missing.name, saved)
+            now[0] += HYDRATE_RETRY_SECONDS - 1
+            await cat.refresh()  # too early: not tried again
+            assert (await state())["state"] == "incomplete"
+            now[0] += 1
+            await cat.refresh()
+            h = await state()
+            assert (h["state"], h["chunks"], h["fetched"], h["failed"]) == ("done", 1, 1, 0), h
+            assert all(fetcher.cache.contains(fp) for fp in chunks)
+            gets = fetcher.stats["gets"]
+            # A new version: only its new chunk is fetched.
+            data = bytearray(pub.data)
+            data[5 * CHUNK_SIZE + 7] ^= 1
+            v2 = publish(local_store, bytes(data), "/h.db")
+            now[0] += 10
+            await cat.refresh()
+            h = await state()
+            assert (h["state"], h["chunks"], h["fetched"]) == ("done", 1, 1), h
+            assert h["version"] == cat.stats()["databases"]["/%s/h.db" % HOST]["version"]
+            assert fetcher.cache.contains(v2.manifest.chunks[5]) and fetcher.stats["gets"] == gets + 1
+            nursery.cancel_scope.cancel()
+        return fetcher.stats
+
+    stats = trio.run(main)
+    assert stats["gets"] == len(chunks) + 1 + 1  # the missing chunk failed once, then came
+
+
+def test_hydrate_warns_once_when_the_databases_exceed_the_cache(local_store, tmp_path, caplog):
+    from verneuil_fuse.cache import ChunkCache
+
+    for name in ("/a.db", "/b.db"):
+        publish(local_store, os.urandom(3 * CHUNK_SIZE), name)
+
+    async def main():
+        fetcher = Fetcher(local_store, ChunkCache(str(tmp_path / "cache"), 4 * CHUNK_SIZE))
         async with trio.open_nursery() as nursery:
             fetcher.bind(nursery)
             cat = Catalog(fetcher, hydrate=True)
             cat.bind(nursery)
             await cat.refresh()
-            with trio.fail_after(10):
-                while not all(fetcher.cache.contains(fp) for fp in pub.chunks):
-                    await trio.sleep(0.02)
+            await cat.refresh()
             nursery.cancel_scope.cancel()
-        return fetcher.stats
 
-    stats = trio.run(main)
-    assert stats["gets"] == len(pub.chunks)
+    trio.run(main)
+    warnings = [r.getMessage() for r in caplog.records if "do not fit in cache_size" in r.getMessage()]
+    assert len(warnings) == 1, warnings
 
 
 def test_first_open_stores_bundled_chunks_in_the_page_cache(local_store, monkeypatch):

@@ -30,6 +30,10 @@ Polling: each poll lists the manifest bucket; a manifest is fetched again only
 when its listed size or mtime changed, or when it was fetched less than
 ``SETTLE_SECONDS`` after its listed mtime (so that two uploads within one
 second of the same size are not missed).
+
+Hydration (``hydrate``): each database's newest version is fetched into the
+disk cache in the background; one that could not fetch every chunk is tried
+again after ``HYDRATE_RETRY_SECONDS``; its progress is in the stats.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from typing import Any, Callable
 import trio
 from urllib.parse import unquote
 
-from verneuil_fuse.fetcher import Fetcher
+from verneuil_fuse.fetcher import Fetcher, HydrateProgress
 from verneuil_fuse.format import ManifestError, parse_manifest_name
 from verneuil_fuse.format.names import MANGLE_KEEP
 from verneuil_fuse.replica import PrefetchConfig, Replica
@@ -58,6 +62,11 @@ SETTLE_SECONDS = 5.0
 CONTROL_DIR = ".verneuil"
 _MANGLED_HEAD = re.compile(r"\A[0-9a-f]{4}-verneuil%3A.*?%3A[0-9a-f]{4}%2F(%2F.*)\Z", re.S)
 STATS_NAME = "stats"
+# An eager hydration that could not fetch every chunk (a store outage, a
+# missing chunk) is started again at the first poll this many seconds after
+# it ended: the database does not stay half-hydrated until its next version,
+# and a store that is down is not asked for every chunk at every poll.
+HYDRATE_RETRY_SECONDS = 60.0
 
 
 @dataclass
@@ -76,6 +85,25 @@ class Directory:
             parts.append(node.name)
             node = node.parent
         return "/" + "/".join(reversed(parts))
+
+
+@dataclass
+class _Hydration:
+    """The eager hydration of one database (its newest version)."""
+
+    version: str
+    progress: HydrateProgress = field(default_factory=HydrateProgress)
+    state: str = "running"  # running, done, incomplete
+    finished_at: float = 0.0
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    def describe(self) -> dict:
+        p = self.progress
+        out = {"state": self.state, "version": self.version, "chunks": p.chunks, "fetched": p.done,
+               "failed": p.failed}
+        if p.error is not None:
+            out["error"] = p.error
+        return out
 
 
 @dataclass
@@ -174,7 +202,8 @@ class Catalog:
         self._bad: dict[str, tuple[int, float, float]] = {}
         self.last_poll = 0.0
         self.versions_seen = 0
-        self._hydrating: set[str] = set()
+        self._hydrations: dict[str, _Hydration] = {}
+        self._warned_cache_size = False
         self._nursery: trio.Nursery | None = None
         control = self._mkdir(self.root, CONTROL_DIR)
         self.stats_file = StatsFile(self._alloc(), self.render_stats)
@@ -342,6 +371,8 @@ class Catalog:
             self._remove(key)
         for key in [k for k in self._bad if k not in listed]:
             del self._bad[key]
+        if self.hydrate and self._nursery is not None:
+            self._retry_hydrations()
 
     def _install(self, key: str, info, manifest, fetched_at: float) -> None:
         entry = self.entries.get(key)
@@ -392,7 +423,7 @@ class Catalog:
                 self.on_invalidate(parent.inode, name)
         parent.mtime_ns = time.time_ns()
         if self.hydrate and self._nursery is not None:
-            self._nursery.start_soon(self._hydrate, replica)
+            self._start_hydration(key)
 
     def _remove(self, key: str) -> None:
         entry = self.entries.pop(key)
@@ -400,6 +431,9 @@ class Catalog:
         if parent.entries.get(entry.name) is entry:
             del parent.entries[entry.name]
         log.info("database %s is gone from the store", entry.current.path)
+        h = self._hydrations.pop(key, None)
+        if h is not None:
+            h.scope.cancel()
         self._maybe_drop(entry.current)
         parent.mtime_ns = time.time_ns()
         if self.on_invalidate is not None:
@@ -414,18 +448,50 @@ class Catalog:
                     self.on_invalidate(up.inode, d.name)
             d = up
 
-    async def _hydrate(self, replica: Replica) -> None:
-        if replica.key in self._hydrating:
+    def _start_hydration(self, key: str) -> None:
+        """Hydrate database ``key`` in the background, unless under way (a
+        hydration under way goes on with the newest version when it ends)."""
+        h = self._hydrations.get(key)
+        if h is not None and h.state == "running":
             return
-        self._hydrating.add(replica.key)
-        try:
-            start = time.monotonic()
-            n = await self.fetcher.hydrate(replica.all_remote_chunks())
-            log.info("hydrated %s: %d chunks in %.1fs", replica.path, n, time.monotonic() - start)
-        except Exception as e:  # noqa: BLE001 - hydration is best effort
-            log.warning("hydration of %s stopped: %s", replica.path, e)
-        finally:
-            self._hydrating.discard(replica.key)
+        assert self._nursery is not None
+        self._hydrations[key] = h = _Hydration(self.entries[key].current.version)
+        self._nursery.start_soon(self._hydrate, key, h)
+        cache = self.fetcher.cache
+        total = sum(e.current.size for e in self.entries.values())
+        if cache is not None and total > cache.size_limit and not self._warned_cache_size:
+            self._warned_cache_size = True
+            log.warning("hydration: the databases (%.1f MiB) do not fit in cache_size (%.1f MiB): "
+                        "the disk cache will evict chunks it hydrated", total / (1 << 20), cache.size_limit / (1 << 20))
+
+    async def _hydrate(self, key: str, h: _Hydration) -> None:
+        with h.scope:  # cancelled when the database leaves the store
+            while True:
+                entry = self.entries.get(key)
+                if entry is None:
+                    return
+                replica = entry.current
+                start = time.monotonic()
+                try:
+                    n = await self.fetcher.hydrate(replica.all_remote_chunks(), progress=h.progress)
+                    h.state = "done"
+                    log.info("hydrated %s: %d chunks in %.1fs", replica.path, n, time.monotonic() - start)
+                except Exception as e:  # noqa: BLE001 - hydration is best effort
+                    h.state = "incomplete"
+                    log.warning("hydration of %s is incomplete: %s (tried again in %.0fs)",
+                                replica.path, e, HYDRATE_RETRY_SECONDS)
+                h.finished_at = self.clock()
+                entry = self.entries.get(key)
+                if entry is None or entry.current is replica or self._hydrations.get(key) is not h:
+                    return
+                # A newer version arrived meanwhile: it is hydrated next.
+                h = self._hydrations[key] = _Hydration(entry.current.version, scope=h.scope)
+
+    def _retry_hydrations(self) -> None:
+        now = self.clock()
+        for key, h in list(self._hydrations.items()):
+            if h.state == "incomplete" and now - h.finished_at >= HYDRATE_RETRY_SECONDS and key in self.entries:
+                self._start_hydration(key)
 
     # ------------------------------------------------------------------- stats
     def stats(self) -> dict:
@@ -437,6 +503,9 @@ class Catalog:
                 for n in self.inodes.values()
                 if isinstance(n, Replica) and n.key == entry.key and n is not entry.current
             )
+            h = self._hydrations.get(entry.key)
+            if h is not None:
+                d["hydration"] = h.describe()
             dbs[entry.current.path] = d
         out = {
             "fetch": self.fetcher.snapshot(),

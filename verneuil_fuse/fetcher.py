@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
 import trio
@@ -47,6 +48,16 @@ class _Flight:
         self.prefetch = prefetch
         self.wait_scope: trio.CancelScope | None = None
         self.promoted = False
+
+
+@dataclass
+class HydrateProgress:
+    """How far one eager hydration went (`Fetcher.hydrate`)."""
+
+    chunks: int = 0  # chunks it had to fetch (the others were cached)
+    done: int = 0  # of which fetched (or found cached meanwhile)
+    failed: int = 0  # of which could not be fetched
+    error: str | None = None  # the first failure
 
 
 class Fetcher:
@@ -332,12 +343,18 @@ class Fetcher:
         finally:
             self._advising = False
 
-    async def hydrate(self, fps: Iterable[Fprint], parallel: int | None = None) -> int:
-        """Make sure every chunk is in the disk cache (eager hydration).
-        Returns the number of chunks that were fetched or checked."""
-        done = 0
+    async def hydrate(self, fps: Iterable[Fprint], parallel: int | None = None,
+                      progress: HydrateProgress | None = None) -> int:
+        """Make sure every chunk is in the disk cache (eager hydration),
+        counting in ``progress`` as it goes. Returns the number of chunks
+        that were fetched or checked; raises FetchError, once all were tried,
+        if some could not be fetched."""
+        progress = progress if progress is not None else HydrateProgress()
         parallel = parallel or self.prefetch_slots.total_tokens
         sem = trio.Semaphore(parallel)
+        todo = [fp for fp in dict.fromkeys(fps)
+                if fp not in self.mem and not (self.cache is not None and self.cache.has(fp))]
+        progress.chunks = len(todo)
 
         async def one(fp: Fprint) -> None:
             try:
@@ -345,17 +362,23 @@ class Fetcher:
                 if flight is None:
                     flight = self._start(fp, prefetch=True, hydrate=True)
                 await flight.event.wait()
+                if flight.error is None:
+                    progress.done += 1
+                else:
+                    progress.failed += 1
+                    if progress.error is None:
+                        progress.error = str(flight.error)
             finally:
                 sem.release()
 
         async with trio.open_nursery() as nursery:
-            for fp in dict.fromkeys(fps):
-                if fp in self.mem or (self.cache is not None and self.cache.has(fp)):
-                    continue
+            for fp in todo:
                 await sem.acquire()
                 nursery.start_soon(one, fp)
-                done += 1
-        return done
+        if progress.failed:
+            raise FetchError("%d of %d chunks could not be fetched (%s)"
+                             % (progress.failed, progress.chunks, progress.error))
+        return len(todo)
 
     # ---------------------------------------------------------------- flights
     def _start(self, fp: Fprint, prefetch: bool, hydrate: bool = False) -> _Flight:

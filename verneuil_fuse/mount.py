@@ -71,7 +71,9 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
   retries=N               retries of a failed or slow GET before EIO (default 4)
   timeout=SECONDS         time limit of one GET attempt (default 30)
   hydrate[=on|off]        fetch every chunk of every database into the disk
-                          cache in the background (default off)
+                          cache in the background, again for each new
+                          version; progress per database in the stats; needs
+                          a disk cache (default off)
   entry_timeout=SECONDS   kernel cache of names (default 1)
   read_ahead_kb=N         the kernel's readahead for this mount, in KiB
                           (/sys/class/bdi/MAJ:MIN/read_ahead_kb; default
@@ -291,6 +293,8 @@ def parse_args(argv: list[str] | None) -> Options:
                 continue
             else:
                 raise UserError("unknown mount option: %s (see verneuil --help)" % item, EXIT_USAGE)
+    if opts.hydrate and opts.cache_size == 0:
+        raise UserError("option hydrate needs a disk cache (cache_size=0 turns it off)", EXIT_USAGE)
     if not any(o.startswith("fsname=") for o in fuse):
         fuse.add("fsname=" + _fuse_value(opts.source))
     if not any(o.startswith("subtype=") for o in fuse):
