@@ -254,7 +254,7 @@ def test_hydrate_fills_the_cache_then_reads_need_no_get(env):
             dbs = m.stats()["databases"]
             hs = {path: d.get("hydration") for path, d in dbs.items()}
             return hs if len(hs) == len(env.sources) and all(
-                h is not None and h["state"] != "running" for h in hs.values()) else None
+                h is not None and h["state"] in ("done", "incomplete") for h in hs.values()) else None
 
         states = wait_for(settled, 60, "every database to be hydrated")
         for where, h in states.items():

@@ -296,7 +296,7 @@ def test_hydrate_fills_the_disk_cache(local_store, tmp_path):
                 with trio.fail_after(10):
                     while True:
                         h = cat.stats()["databases"]["/%s/h.db" % HOST]["hydration"]
-                        if h["state"] != "running":
+                        if h["state"] in ("done", "incomplete"):
                             return h
                         await trio.sleep(0.02)
 
@@ -329,6 +329,45 @@ def test_hydrate_fills_the_disk_cache(local_store, tmp_path):
 
     stats = trio.run(main)
     assert stats["gets"] == len(chunks) + 1 + 1  # the missing chunk failed once, then came
+
+
+def test_hydrate_takes_databases_a_few_at_a_time(local_store, tmp_path):
+    from verneuil_fuse.cache import ChunkCache
+    from verneuil_fuse.catalog import HYDRATE_AT_ONCE
+
+    for i in range(5):
+        publish(local_store, os.urandom(2 * CHUNK_SIZE), "/d%d.db" % i)
+    running = [0, 0]  # now, most
+
+    async def main():
+        fetcher = Fetcher(local_store, ChunkCache(str(tmp_path / "cache"), 1 << 26))
+        real = fetcher.hydrate
+
+        async def watched(fps, **kw):  # the real hydration, counted
+            running[0] += 1
+            running[1] = max(running)
+            try:
+                await trio.sleep(0.05)
+                return await real(fps, **kw)
+            finally:
+                running[0] -= 1
+
+        fetcher.hydrate = watched
+        async with trio.open_nursery() as nursery:
+            fetcher.bind(nursery)
+            cat = Catalog(fetcher, hydrate=True)
+            cat.bind(nursery)
+            await cat.refresh()
+            states = {d["hydration"]["state"] for d in cat.stats()["databases"].values()}
+            assert "queued" in states, states
+            with trio.fail_after(10):
+                while {d["hydration"]["state"] for d in cat.stats()["databases"].values()} != {"done"}:
+                    await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()
+        return fetcher.stats
+
+    stats = trio.run(main)
+    assert running[1] == HYDRATE_AT_ONCE and stats["gets"] == 5
 
 
 def test_hydrate_warns_once_when_the_databases_exceed_the_cache(local_store, tmp_path, caplog):

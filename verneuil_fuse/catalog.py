@@ -67,6 +67,11 @@ STATS_NAME = "stats"
 # it ended: the database does not stay half-hydrated until its next version,
 # and a store that is down is not asked for every chunk at every poll.
 HYDRATE_RETRY_SECONDS = 60.0
+# Databases hydrated at the same time; the others wait their turn ("queued").
+# Each one keeps `prefetch_concurrency` GETs busy already: more at once would
+# only queue flights ahead of the readahead of the files being read (whose
+# prefetches are dropped past the fetcher's bound on prefetch flights).
+HYDRATE_AT_ONCE = 2
 
 
 @dataclass
@@ -93,7 +98,7 @@ class _Hydration:
 
     version: str
     progress: HydrateProgress = field(default_factory=HydrateProgress)
-    state: str = "running"  # running, done, incomplete
+    state: str = "queued"  # queued, running, done, incomplete
     finished_at: float = 0.0
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
@@ -203,6 +208,7 @@ class Catalog:
         self.last_poll = 0.0
         self.versions_seen = 0
         self._hydrations: dict[str, _Hydration] = {}
+        self._hydrate_slots = trio.Semaphore(HYDRATE_AT_ONCE)
         self._warned_cache_size = False
         self._nursery: trio.Nursery | None = None
         control = self._mkdir(self.root, CONTROL_DIR)
@@ -452,7 +458,7 @@ class Catalog:
         """Hydrate database ``key`` in the background, unless under way (a
         hydration under way goes on with the newest version when it ends)."""
         h = self._hydrations.get(key)
-        if h is not None and h.state == "running":
+        if h is not None and h.state in ("queued", "running"):
             return
         assert self._nursery is not None
         self._hydrations[key] = h = _Hydration(self.entries[key].current.version)
@@ -466,26 +472,28 @@ class Catalog:
 
     async def _hydrate(self, key: str, h: _Hydration) -> None:
         with h.scope:  # cancelled when the database leaves the store
-            while True:
-                entry = self.entries.get(key)
-                if entry is None:
-                    return
-                replica = entry.current
-                start = time.monotonic()
-                try:
-                    n = await self.fetcher.hydrate(replica.all_remote_chunks(), progress=h.progress)
-                    h.state = "done"
-                    log.info("hydrated %s: %d chunks in %.1fs", replica.path, n, time.monotonic() - start)
-                except Exception as e:  # noqa: BLE001 - hydration is best effort
-                    h.state = "incomplete"
-                    log.warning("hydration of %s is incomplete: %s (tried again in %.0fs)",
-                                replica.path, e, HYDRATE_RETRY_SECONDS)
-                h.finished_at = self.clock()
-                entry = self.entries.get(key)
-                if entry is None or entry.current is replica or self._hydrations.get(key) is not h:
-                    return
-                # A newer version arrived meanwhile: it is hydrated next.
-                h = self._hydrations[key] = _Hydration(entry.current.version, scope=h.scope)
+            async with self._hydrate_slots:
+                while True:
+                    entry = self.entries.get(key)
+                    if entry is None:
+                        return
+                    replica = entry.current
+                    h.state = "running"
+                    start = time.monotonic()
+                    try:
+                        n = await self.fetcher.hydrate(replica.all_remote_chunks(), progress=h.progress)
+                        h.state = "done"
+                        log.info("hydrated %s: %d chunks in %.1fs", replica.path, n, time.monotonic() - start)
+                    except Exception as e:  # noqa: BLE001 - hydration is best effort
+                        h.state = "incomplete"
+                        log.warning("hydration of %s is incomplete: %s (tried again in %.0fs)",
+                                    replica.path, e, HYDRATE_RETRY_SECONDS)
+                    h.finished_at = self.clock()
+                    entry = self.entries.get(key)
+                    if entry is None or entry.current is replica or self._hydrations.get(key) is not h:
+                        return
+                    # A newer version arrived meanwhile: it is hydrated next.
+                    h = self._hydrations[key] = _Hydration(entry.current.version, scope=h.scope)
 
     def _retry_hydrations(self) -> None:
         now = self.clock()
