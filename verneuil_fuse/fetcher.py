@@ -223,12 +223,16 @@ class Fetcher:
         verified bytes of ``fps[k]``, for the chunks of one read request.
 
         Chunks in the disk cache are read straight into the destinations, in
-        as few system calls as their places in the segments allow: first what
-        the page cache holds, in this thread; then the rest in one worker
-        thread hop. Chunks in memory are copied; the others (not cached, under
-        way, damaged) go through `get_waiting`, in parallel. Disk hits are not
-        kept in memory: the kernel's page cache keeps the segment's pages.
-        Raises FetchError if one chunk cannot be obtained."""
+        as few system calls as their places in the segments allow, in this
+        thread: a request of several chunks is the kernel's readahead of a
+        sequential read, whose chunks the kernel's readahead of the segment
+        files has usually brought in already, and a blocking read here costs
+        less than a hop to a worker thread (on a warm scan of 475 MiB, the
+        hops took 0.1 s more of the mount's CPU time than the reads they
+        saved the loop from). Chunks in memory are copied; the others (not
+        cached, under way, damaged) go through `get_waiting`, in parallel.
+        Disk hits are not kept in memory: the kernel's page cache keeps the
+        segment's pages. Raises FetchError if one chunk cannot be obtained."""
         n = len(fps)
         cache = self.cache
         stats = self.stats
@@ -243,20 +247,12 @@ class Fetcher:
             elif cache is not None and fp not in self._inflight and cache.has(fp):
                 disk.append(k)
         if disk:
-            ok = cache.read_into([fps[k] for k in disk], [dests[k] for k in disk], nowait=True)
+            ok = cache.read_into([fps[k] for k in disk], [dests[k] for k in disk])
             for k, hit in zip(disk, ok):
                 done[k] = hit
             inline = sum(ok)
             stats["disk_hits"] += inline
             stats["disk_hits_inline"] += inline
-            rest = [k for k in disk if not done[k]]
-            if rest:
-                ok = await trio.to_thread.run_sync(
-                    cache.read_into, [fps[k] for k in rest], [dests[k] for k in rest], limiter=self.cache_limiter
-                )
-                for k, hit in zip(rest, ok):
-                    done[k] = hit
-                stats["disk_hits"] += sum(ok)
         stats["requests"] += n
         for k in range(n):
             if done[k]:
