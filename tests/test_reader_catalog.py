@@ -158,22 +158,21 @@ def test_sequential_readahead(tmp_path, local_store):
     assert stats["store_fetches"] == len(pub.chunks)  # nothing fetched twice
 
 
-def test_cache_readahead_runs_ahead_of_the_store_readahead(tmp_path, local_store):
-    """A sequential read advises chunks already in the disk cache up to
-    ``cache_readahead_max`` ahead (no GET: a kernel readahead of the cache's
-    files), while GETs of chunks not cached stay within ``readahead_max``."""
+def _sequential_read_hints(tmp_path, store, config: PrefetchConfig):
+    """Read a 40-chunk replica in order, 2 chunks per request, with its
+    first 30 chunks in the disk cache: (hints given to the fetcher as
+    (last chunk read, chunk, fetch, advise), the fetcher's stats)."""
     from verneuil_fuse.cache import ChunkCache
 
-    pub = publish(local_store, os.urandom(40 * CHUNK_SIZE), "/ra.db")
+    pub = publish(store, os.urandom(40 * CHUNK_SIZE), "/ra.db")
     index = {fp: i for i, fp in enumerate(pub.manifest.chunks)}
     cache = ChunkCache(str(tmp_path / "cache"), 1 << 30)
     for i, fp in enumerate(pub.manifest.chunks[:30]):
         cache.put(fp, pub.data[i * CHUNK_SIZE : (i + 1) * CHUNK_SIZE])
-    config = PrefetchConfig(btree=False, readahead_max=4, cache_readahead_max=16)
-    hints: list[tuple[int, int, bool, bool]] = []  # (last chunk read, chunk, fetch, advise)
+    hints: list[tuple[int, int, bool, bool]] = []
 
     async def main():
-        fetcher = Fetcher(local_store, cache)
+        fetcher = Fetcher(store, cache)
         real = fetcher.prefetch
         last = [0]
 
@@ -196,7 +195,27 @@ def test_cache_readahead_runs_ahead_of_the_store_readahead(tmp_path, local_store
             nursery.cancel_scope.cancel()
         return fetcher.stats
 
-    stats = trio.run(main)
+    return hints, trio.run(main)
+
+
+def test_cached_chunks_are_left_to_the_kernel_by_default(tmp_path, local_store):
+    """By default (cache_readahead_max=0) chunks already in the disk cache are
+    neither advised nor fetched ahead: a request's cached chunks are read in
+    the loop's thread; GETs of the others stay within ``readahead_max``."""
+    hints, stats = _sequential_read_hints(tmp_path, local_store, PrefetchConfig(btree=False, readahead_max=4))
+    assert hints and not any(advise for _, _, _, advise in hints)
+    assert all(i <= last + 4 for last, i, _, _ in hints)
+    assert stats["prefetch_advised"] == 0 and stats["gets"] == 10
+    assert stats["disk_hits_inline"] == stats["disk_hits"] == 29  # chunk 0 is in the manifest
+
+
+def test_cache_readahead_runs_ahead_of_the_store_readahead(tmp_path, local_store):
+    """With ``cache_readahead_max`` a sequential read advises chunks already
+    in the disk cache up to that many ahead (no GET: a kernel readahead of the
+    cache's files), while GETs of chunks not cached stay within
+    ``readahead_max``."""
+    config = PrefetchConfig(btree=False, readahead_max=4, cache_readahead_max=16)
+    hints, stats = _sequential_read_hints(tmp_path, local_store, config)
     fetchable = [(last, i) for last, i, fetch, _ in hints if fetch]
     advisable = [(last, i) for last, i, _, advise in hints if advise]
     assert fetchable and all(i <= last + 4 for last, i in fetchable)
