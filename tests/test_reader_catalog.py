@@ -198,11 +198,12 @@ def _sequential_read_hints(tmp_path, store, config: PrefetchConfig):
     return hints, trio.run(main)
 
 
-def test_cached_chunks_are_left_to_the_kernel_by_default(tmp_path, local_store):
-    """By default (cache_readahead_max=0) chunks already in the disk cache are
+def test_cached_chunks_left_to_the_kernel_with_cache_readahead_0(tmp_path, local_store):
+    """With cache_readahead_max=0 chunks already in the disk cache are
     neither advised nor fetched ahead: a request's cached chunks are read in
     the loop's thread; GETs of the others stay within ``readahead_max``."""
-    hints, stats = _sequential_read_hints(tmp_path, local_store, PrefetchConfig(btree=False, readahead_max=4))
+    config = PrefetchConfig(btree=False, readahead_max=4, cache_readahead_max=0)
+    hints, stats = _sequential_read_hints(tmp_path, local_store, config)
     assert hints and not any(advise for _, _, _, advise in hints)
     assert all(i <= last + 4 for last, i, _, _ in hints)
     assert stats["prefetch_advised"] == 0 and stats["gets"] == 10

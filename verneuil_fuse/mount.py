@@ -60,12 +60,11 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
                           databases and versions (default 10)
   readahead=on|off        sequential readahead (default on)
   readahead_max=N         largest readahead window, in 64 KiB chunks (default 32)
-  cache_readahead_max=N   chunks already in the disk cache: 0 leaves reading
-                          them ahead to the kernel's readahead of the cache's
-                          files; N > 0 also advises the kernel (fadvise) of up
-                          to N of them ahead of a sequential read and of those
-                          the B-tree prefetch predicts, for caches whose
-                          chunks lie scattered (default 0)
+  cache_readahead_max=N   largest readahead window for chunks already in the
+                          disk cache, in chunks: no GET, the kernel is advised
+                          to read them from the cache's files (many reads in
+                          flight); 0 leaves that to the kernel's own readahead
+                          of those files (fewer, larger reads) (default 256)
   btree_prefetch=on|off   B-tree-aware prefetch of the sibling pages a scan
                           reads next (default on)
   btree_max=N             largest B-tree prefetch window, in chunks (default 32)
@@ -132,7 +131,7 @@ class Options:
     refresh: float = 10.0
     readahead: bool = True
     readahead_max: int = 32
-    cache_readahead_max: int = 0
+    cache_readahead_max: int = 256
     btree_prefetch: bool = True
     btree_max: int = 32
     concurrency: int = 16
