@@ -225,11 +225,10 @@ class Fetcher:
         Chunks in the disk cache are read straight into the destinations, in
         as few system calls as their places in the segments allow, in this
         thread: a request of several chunks is the kernel's readahead of a
-        sequential read, whose chunks the kernel's readahead of the segment
-        files has usually brought in already, and a blocking read here costs
-        less than a hop to a worker thread (on a warm scan of 475 MiB, the
-        hops took 0.1 s more of the mount's CPU time than the reads they
-        saved the loop from). Chunks in memory are copied; the others (not
+        sequential read, whose chunks the prefetcher's advice (or the
+        kernel's readahead of the segment files) has usually brought into the
+        page cache already, and a blocking read here costs less than a hop to
+        a worker thread for the others (docs/READER.md, Prefetch). Chunks in memory are copied; the others (not
         cached, under way, damaged) go through `get_waiting`, in parallel.
         Disk hits are not kept in memory: the kernel's page cache keeps the
         segment's pages. Raises FetchError if one chunk cannot be obtained."""
