@@ -179,7 +179,7 @@ def run(args) -> None:
 
         step("Querying all %d replicas with Spark (local[2])" % len(replicas))
         from verneuil_fuse.spark import spark_session
-        spark = spark_session("local[2]", app="verneuil-demo")
+        spark = spark_session("local[2]", app="verneuil-demo", quiet=True)  # no JVM notices
         try:
             df = spark.read.format("verneuil").option("query", QUERY).load(replica_dir)
             rows = df.collect()
