@@ -378,7 +378,7 @@ class Catalog:
         for key in [k for k in self._bad if k not in listed]:
             del self._bad[key]
         if self.hydrate and self._nursery is not None:
-            self._retry_hydrations()
+            self._after_poll_hydration()
 
     def _install(self, key: str, info, manifest, fetched_at: float) -> None:
         entry = self.entries.get(key)
@@ -463,12 +463,6 @@ class Catalog:
         assert self._nursery is not None
         self._hydrations[key] = h = _Hydration(self.entries[key].current.version)
         self._nursery.start_soon(self._hydrate, key, h)
-        cache = self.fetcher.cache
-        total = sum(e.current.size for e in self.entries.values())
-        if cache is not None and total > cache.size_limit and not self._warned_cache_size:
-            self._warned_cache_size = True
-            log.warning("hydration: the databases (%.1f MiB) do not fit in cache_size (%.1f MiB): "
-                        "the disk cache will evict chunks it hydrated", total / (1 << 20), cache.size_limit / (1 << 20))
 
     async def _hydrate(self, key: str, h: _Hydration) -> None:
         with h.scope:  # cancelled when the database leaves the store
@@ -495,11 +489,20 @@ class Catalog:
                     # A newer version arrived meanwhile: it is hydrated next.
                     h = self._hydrations[key] = _Hydration(entry.current.version, scope=h.scope)
 
-    def _retry_hydrations(self) -> None:
+    def _after_poll_hydration(self) -> None:
+        """Once per poll: start again the hydrations left incomplete long
+        enough ago; warn (once) when the databases exceed the disk cache."""
         now = self.clock()
         for key, h in list(self._hydrations.items()):
             if h.state == "incomplete" and now - h.finished_at >= HYDRATE_RETRY_SECONDS and key in self.entries:
                 self._start_hydration(key)
+        cache = self.fetcher.cache
+        if cache is not None and not self._warned_cache_size:
+            total = sum(e.current.size for e in self.entries.values())
+            if total > cache.size_limit:
+                self._warned_cache_size = True
+                log.warning("hydration: the databases (%.1f MiB) do not fit in cache_size (%.1f MiB): the disk "
+                            "cache will evict chunks it hydrated", total / (1 << 20), cache.size_limit / (1 << 20))
 
     # ------------------------------------------------------------------- stats
     def stats(self) -> dict:
