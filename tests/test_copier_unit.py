@@ -1,6 +1,7 @@
 """Copier mechanics on hand-built spools and a directory store (fast)."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
@@ -208,6 +209,40 @@ def test_staging_chunks_are_uploaded_before_manifest(env):
     c.run_once()
     assert store.chunks.exists(fp.name)
     assert restored(store, w) == data
+
+
+def test_chunk_restaged_while_read_is_not_dead_lettered(env, monkeypatch):
+    """A staged chunk can vanish between a copier's listing and its open (an
+    upload by another copier, the writer's GC) and be staged again before
+    the copier looks why the open failed: that new copy is a live chunk, not
+    junk. It stays in staging, is sent at the next pass, and the manifest
+    naming it goes only after it."""
+    tmp, spool, store, db, w = env
+    w.snapshot()                     # the first snapshot goes to `ready`
+    rewrite(db, 2)
+    w.snapshot()                     # `ready` is busy: this one stays staged
+    fp = fmt.decode_and_validate(open(w.db.sub("staging", "meta", w.name), "rb").read()).chunks[2]
+    victim = w.db.sub("staging", "chunks", fp.name)
+    assert os.path.exists(victim)
+    real_read = sp.read_regular
+    raced = []
+
+    def read_after_the_race(path, limit=-1):
+        if path == victim and not raced:
+            raced.append(path)       # open() lost the race; the new copy is there
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+        return real_read(path, limit)
+
+    monkeypatch.setattr(sp, "read_regular", read_after_the_race)
+    c = copier(spool, store)
+    c.run_once()
+    assert raced and os.path.exists(victim)
+    assert not os.path.exists(os.path.join(w.db.root, "dead-letter"))
+    assert not store.chunks.exists(fp.name)
+    assert fmt.decode_and_validate(store.manifests.get(w.name)).chunks[2] != fp  # the first one
+    c.run_once()
+    assert store.chunks.exists(fp.name) and not os.path.exists(victim)
+    assert restored(store, w) == db.read_bytes()
 
 
 def test_leftover_consuming_is_finished_and_busy_one_left(env):

@@ -43,6 +43,12 @@ pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.skipif(not vfs_available(), reason="writer_vfs is not built")]
 
 TORTURE_SECONDS = float(os.environ.get("VERNEUIL_TORTURE_SECONDS", "40"))
+# The schedule of kills and checks; another seed gives another interleaving
+# (to chase a failure: VERNEUIL_TORTURE_SEED=n, many runs).
+TORTURE_SEED = int(os.environ.get("VERNEUIL_TORTURE_SEED", "20240607"))
+# Copier log level: "-vv" logs every request (a failure report quotes the
+# lines naming a missing chunk); "-v" only manifest uploads.
+COPIER_VERBOSITY = os.environ.get("VERNEUIL_TORTURE_COPIER_LOG", "-vv")
 WRITERS = 3
 COPIERS = 2
 CTL = [sys.executable, "-m", "verneuil_fuse.cli"]
@@ -53,6 +59,7 @@ import writer_vfs
 spool, db, log_path, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 rng = random.Random(seed)
 writer_vfs.register(spool)
+writer_vfs.set_log_stderr(True)  # the VFS's warnings go to writers.err
 writer_vfs.set_gc_weight(rng.choice([0.0, 4.0, 1e9]))
 conn = writer_vfs.connect(db, isolation_level=None, timeout=60)
 conn.execute("PRAGMA synchronous=" + rng.choice(["OFF", "NORMAL", "FULL"]))
@@ -116,7 +123,7 @@ class Procs:
         return p
 
     def spawn_copier(self) -> subprocess.Popen:
-        return subprocess.Popen(CTL + ["copier", "-v", "--store", self.store_url, "--spool", self.spool,
+        return subprocess.Popen(CTL + ["copier", COPIER_VERBOSITY, "--store", self.store_url, "--spool", self.spool,
                                        "--rate", "0", "--poll-interval", "0.02",
                                        "--lock-timeout", "5"],
                                 stdout=subprocess.DEVNULL,
@@ -141,6 +148,29 @@ class Procs:
         for p in self.copiers:
             self.kill(p, "copier")
         self.writers, self.copiers = [], []
+
+
+def _explain_missing(m, admin, chunk_bucket: str, tmp: str) -> str:
+    """For a failure report: the manifest's chunks missing from the store,
+    where copies of them are in the spool, and the log lines naming them."""
+    missing = []
+    for i, fp in enumerate(m.chunks):
+        if i in m.bundled or fp == fmt.ZERO_CHUNK_FPRINT:
+            continue
+        try:
+            admin.head_object(Bucket=chunk_bucket, Key=fp.name)
+        except Exception:  # noqa: BLE001 - a diagnosis, never raised
+            missing.append((i, fp.name))
+    lines = ["; %d of %d chunks missing" % (len(missing), len(m.chunks))]
+    for i, name in missing[:3]:
+        where = [os.path.relpath(os.path.join(d, f), tmp)
+                 for d, _, files in os.walk(os.path.join(tmp, "spool")) for f in files if f == name]
+        logged = []
+        for log_name in ("copiers.err", "writers.err"):
+            with open(os.path.join(tmp, log_name), errors="replace") as f:
+                logged += [line.strip()[:200] for line in f if name in line]
+        lines.append("chunk %d %s: in the spool at %s; logged: %s" % (i, name, where, logged[-5:]))
+    return "\n".join(lines)
 
 
 def _integrity(data: bytes, tmp: str) -> str:
@@ -185,18 +215,21 @@ def test_sigkill_writers_and_copiers(s3_server, tmp_path):
             if vid in checked:
                 continue
             blob = admin.get_object(Bucket=manifest_bucket, Key=name, VersionId=vid)["Body"].read()
+            m = None
             try:
                 m = fmt.decode_and_validate(blob, fetch_chunk=view.chunk)
                 data = view.restore(m)
             except Exception as e:  # noqa: BLE001 - recorded, asserted below
-                check_failures.append("%s: version %s: %s: %s" % (label, vid, type(e).__name__, e))
+                check_failures.append("%s: version %s: %s: %s%s" % (
+                    label, vid, type(e).__name__, e,
+                    "" if m is None else _explain_missing(m, admin, chunk_bucket, tmp)))
                 checked[vid] = ""
                 continue
             checked[vid] = hashlib.sha256(data).hexdigest()
             new += 1
         return new
 
-    rng = random.Random(20240607)
+    rng = random.Random(TORTURE_SEED)
     procs = Procs(tmp, spool, db, log_path, store.url, rng)
     rounds = quiet_checks = 0
     try:

@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -198,15 +199,23 @@ def cmd_manifest_name(args) -> int:
 
 
 def cmd_copier(args) -> int:
-    copier = _make_copier(args, create_spool=True)
-    stop = copier.stop
+    # The handlers go in first: making the copier imports boto3 (a few
+    # hundred ms), and a SIGTERM in that time must still end it cleanly.
+    stop_event = threading.Event()
+    made: list = []
 
     def on_signal(signum, _frame):
         log.info("got signal %d, stopping", signum)
-        stop()
+        stop_event.set()
+        for copier in made:
+            copier.stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    copier = _make_copier(args, create_spool=True, stop_event=stop_event)
+    made.append(copier)
+    if stop_event.is_set():
+        copier.stop()  # the signal came while it was being made
     try:
         copier.run()
     finally:

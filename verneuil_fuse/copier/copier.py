@@ -240,10 +240,15 @@ class Copier:
         try:
             data = sp.read_regular(path, fmt.CHUNK_SIZE + 1)
         except FileNotFoundError:
-            if os.path.lexists(path):  # a dangling symlink: junk, not a chunk
+            if os.path.islink(path):  # a dangling symlink: junk, not a chunk
                 self._dead_letter(db, path, "dangling." + name)
                 return False
-            return True  # another copier (or the writer's GC) got there first
+            # Gone: another copier uploaded it, or the writer dropped it (GC,
+            # or its link went to `ready`).  Whatever is at `path` by now is
+            # a copy the writer staged since (not junk: lexists() would race
+            # with it and move a live chunk aside); the next pass sends it,
+            # and until then `staging/chunks` is not empty.
+            return True
         except IsADirectoryError:  # or a FIFO, socket, device (NotRegular)
             self._dead_letter(db, path, "dir." + name)
             return False
@@ -495,7 +500,7 @@ class Copier:
         try:
             raw = sp.read_regular(path)
         except FileNotFoundError:
-            if os.path.lexists(path):  # a dangling symlink
+            if os.path.islink(path):  # a dangling symlink
                 self._dead_letter(db, path, "dangling.manifest")
             return  # uploaded by another copier
         except IsADirectoryError:  # or a FIFO, socket, device (NotRegular)
@@ -558,7 +563,9 @@ class Copier:
             try:
                 fd = sp.open_regular(path)
             except FileNotFoundError:
-                if os.path.lexists(path):  # a dangling symlink is not the writer's
+                # A dangling symlink is not the writer's; a file that is
+                # there by now is the writer's first manifest (next pass).
+                if os.path.islink(path):
                     self._dead_letter(db, path, "staging.dangling")
                 return False
             except IsADirectoryError:  # a directory or FIFO is not the writer's
@@ -568,20 +575,22 @@ class Copier:
                 ident = sp.identity_of_fd(fd)
                 with os.fdopen(os.dup(fd), "rb") as f:
                     raw = f.read()
+                if state.staged_done.get(name) == ident:
+                    return False
+                # 2. staging/chunks empty; 3. no ready (nor consuming, whose
+                # manifest is older and would be uploaded after ours)
+                if self._staged_chunks_pending(db) or self._ready_or_consuming(db):
+                    return False
+                # 4. identity unchanged.  The descriptor stays open until
+                # then: the inode cannot be freed and its number reused by a
+                # later manifest (whose identity could then match ours).
+                try:
+                    if sp.identity_of_path(path) != ident:
+                        return False
+                except FileNotFoundError:
+                    return False
             finally:
                 os.close(fd)
-            if state.staged_done.get(name) == ident:
-                return False
-            # 2. staging/chunks empty; 3. no ready (nor consuming, whose manifest
-            # is older and would be uploaded after ours)
-            if self._staged_chunks_pending(db) or self._ready_or_consuming(db):
-                return False
-            # 4. identity unchanged
-            try:
-                if sp.identity_of_path(path) != ident:
-                    return False
-            except FileNotFoundError:
-                return False
             digest = _raw_fp(raw)
             known = state.last_raw.get(name)
             if known == digest or (known is None and self._store_has(name, raw)):
