@@ -243,3 +243,28 @@ def test_background_flush_waits_for_everything(spool, local_store, tmp_path):
         assert not bg.running
     finally:
         w.close()
+
+
+def test_sigterm_ends_an_idle_copier_at_once(spool, tmp_path):
+    """`verneuilctl copier` waiting out a long poll interval stops as soon as
+    it gets SIGTERM, and exits 0 (a service manager's stop)."""
+    p = subprocess.Popen(VERNEUILCTL + ["copier", "-v", "--store", "file://%s/store" % tmp_path,
+                                        "--spool", spool, "--poll-interval", "60"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        started = ""
+        while "copier started" not in started and time.monotonic() < deadline:
+            started = p.stderr.readline()
+            assert started or p.poll() is None, "the copier exited before starting"
+        assert "copier started" in started
+        time.sleep(0.5)  # into its idle wait
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 0
+        assert time.monotonic() - t0 < 5, "the copier waited out its poll interval"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+        p.stderr.close()

@@ -201,21 +201,18 @@ def cmd_manifest_name(args) -> int:
 def cmd_copier(args) -> int:
     # The handlers go in first: making the copier imports boto3 (a few
     # hundred ms), and a SIGTERM in that time must still end it cleanly.
-    stop_event = threading.Event()
-    made: list = []
+    stop_event = threading.Event()  # Copier.run() ends once it is set
+    copier = None
 
     def on_signal(signum, _frame):
         log.info("got signal %d, stopping", signum)
         stop_event.set()
-        for copier in made:
-            copier.stop()
+        if copier is not None:
+            copier.wake()  # out of its idle wait at once
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     copier = _make_copier(args, create_spool=True, stop_event=stop_event)
-    made.append(copier)
-    if stop_event.is_set():
-        copier.stop()  # the signal came while it was being made
     try:
         copier.run()
     finally:
