@@ -244,10 +244,9 @@ class Copier:
                 self._dead_letter(db, path, "dangling." + name)
                 return False
             # Gone: another copier uploaded it, or the writer dropped it (GC,
-            # or its link went to `ready`).  Whatever is at `path` by now is
-            # a copy the writer staged since (not junk: lexists() would race
-            # with it and move a live chunk aside); the next pass sends it,
-            # and until then `staging/chunks` is not empty.
+            # or its link went to `ready`).  A file at `path` by now is a
+            # copy the writer staged since: a live chunk, sent at the next
+            # pass (until then `staging/chunks` is not empty).
             return True
         except IsADirectoryError:  # or a FIFO, socket, device (NotRegular)
             self._dead_letter(db, path, "dir." + name)
