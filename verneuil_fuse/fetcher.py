@@ -228,8 +228,9 @@ class Fetcher:
         sequential read, whose chunks the prefetcher's advice (or the
         kernel's readahead of the segment files) has usually brought into the
         page cache already, and a blocking read here costs less than a hop to
-        a worker thread for the others (docs/READER.md, Prefetch). Chunks in memory are copied; the others (not
-        cached, under way, damaged) go through `get_waiting`, in parallel.
+        a worker thread for the others (docs/READER.md, Prefetch). Chunks in
+        memory are copied; the others (not cached, under way, damaged) go
+        through `get_waiting`, in parallel.
         Disk hits are not kept in memory: the kernel's page cache keeps the
         segment's pages. Raises FetchError if one chunk cannot be obtained."""
         n = len(fps)
