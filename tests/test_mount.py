@@ -271,6 +271,35 @@ def test_hydrate_fills_the_cache_then_reads_need_no_get(env):
         assert m.stats()["fetch"]["gets"] == gets
 
 
+def test_a_cache_on_a_disk_smaller_than_cache_size(env):
+    """A second mount whose cache_dir is a 2 MiB file system (a real tmpfs),
+    far below cache_size: every file reads back equal, the disk bounds the
+    cache with its reserve kept free, one warning says so, and no line per
+    chunk floods the log."""
+    fs = os.path.join(env.root, "tiny-fs")
+    os.makedirs(fs, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", fs], check=True)
+    try:
+        log = os.path.join(env.root, "tiny.log")
+        with Mount(env.url, os.path.join(env.root, "mnt-tiny"),
+                   "cache_dir=%s,cache_size=1G,mem_cache=1M,log_file=%s" % (fs, log)) as m:
+            for _ in range(2):
+                for where, data in env.sources.items():
+                    if not where.endswith(("/corrupt.db", "/missing.db")):
+                        assert _read(m.path(where)) == data, where
+            stats = m.stats()
+            assert stats["mount"]["read_errors"] == 0
+            disk = stats["fetch"]["disk_cache"]
+            assert disk["puts"] > 0 and disk["evicted_segments"] > 0 and disk["bytes"] <= 2 << 20
+            st = os.statvfs(fs)
+            assert st.f_bavail * st.f_frsize >= 0.05 * (2 << 20) - 4096
+        text = open(log).read()
+        assert "the disk bounds the cache" in text
+        assert text.count("WARNING") <= 4, text  # the disk, mounted, unmounted, at most one pause
+    finally:
+        subprocess.run(["umount", "-l", fs], check=False)
+
+
 @pytest.mark.parametrize("name", ["corrupt.db", "missing.db"])
 def test_bad_chunk_is_eio_never_wrong_bytes(env, name):
     where = "/%s/data/%s" % (HOST, name)

@@ -2,9 +2,13 @@
 leftovers, the size bound, and several processes sharing one directory."""
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import random
+import subprocess
 import threading
+import time
 
 import pytest
 
@@ -239,3 +243,108 @@ def test_unusable_directory_is_an_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(OSError):
         ChunkCache(str(blocker), 1 << 20)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 4 MiB file system (tmpfs): the disk is smaller than cache_size."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    where = tmp_path / "fs"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def free_bytes(path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def fill(path) -> str:
+    """Fill the file system at ``path`` with one file, as another program would."""
+    filler = os.path.join(str(path), "filler")
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"x" * 65536)
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    return filler
+
+
+def test_the_disk_bounds_the_cache_and_keeps_its_reserve_free(small_fs, caplog, monkeypatch):
+    monkeypatch.setattr(cache_mod, "WRITE_PAUSE_S", 0.3)
+    reserve = int(4 * (1 << 20) * cache_mod.FREE_RESERVE_FRACTION)
+    with caplog.at_level(logging.WARNING, logger="verneuil_fuse.cache"):
+        c = ChunkCache(str(small_fs), 1 << 30)
+    assert "the disk bounds the cache" in caplog.text
+    assert c.segment_bytes == cache_mod.MIN_SEGMENT_BYTES
+    items = chunks(200)  # 12.5 MiB through a 4 MiB disk
+    for i, (fp, data) in enumerate(items):
+        c.put(fp, data)
+        assert free_bytes(small_fs) >= reserve - RECORD.size * 16, i
+    # No write failed: the oldest segments made room first.
+    assert c.stats["write_pauses"] == 0 and c.stats["evicted_segments"] > 0
+    assert c.get(items[-1][0]) == items[-1][1] and c.get(items[0][0]) is None
+    kept = [i for i, (fp, _) in enumerate(items) if c.contains(fp)]
+    assert kept == list(range(kept[0], len(items))) and len(kept) >= 16
+
+    # Another program fills the disk after a segment was started: the write
+    # fails, one warning, no exception, nothing wrong is served.
+    caplog.clear()
+    filler = fill(small_fs)
+    more = chunks(40, seed=5)
+    with caplog.at_level(logging.WARNING, logger="verneuil_fuse.cache"):
+        for fp, data in more:
+            c.put(fp, data)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, caplog.text
+    assert "not caching new chunks" in warnings[0].getMessage()
+    assert c.stats["write_pauses"] == 1 and c.stats["puts_skipped"] >= len(more) - 2
+    for fp, data in more + items:
+        got = c.get(fp)
+        assert got is None or got == data
+    assert c.describe()["writes_paused"] is True
+
+    # Past the pause, the disk still full: the cache deletes its oldest
+    # segments until a new one fits with the reserve free, and goes on.
+    time.sleep(0.35)
+    held = c.volume()
+    one = chunks(1, seed=6)[0]
+    c.put(*one)
+    assert c.get(one[0]) == one[1] and c.stats["write_pauses"] == 1
+    assert c.volume() < held and free_bytes(small_fs) >= reserve - RECORD.size * 16
+    assert c.describe()["writes_paused"] is False
+    os.unlink(filler)
+    c.close()
+
+
+def test_a_cache_on_a_disk_already_past_its_reserve_gives_space_back(small_fs, caplog):
+    c = ChunkCache(str(small_fs), 1 << 30)
+    for fp, data in chunks(40):  # 2.5 MiB
+        c.put(fp, data)
+    assert len(c) == 40
+    c.close()
+    filler = fill(small_fs)
+    # At the next start the cache deletes its oldest segments until the
+    # reserve is free again: here one segment of 16 chunks does it.
+    d = ChunkCache(str(small_fs), 1 << 30)
+    reserve = int(4 * (1 << 20) * cache_mod.FREE_RESERVE_FRACTION)
+    assert free_bytes(small_fs) >= reserve and 0 < len(d) < 40
+    d.close()
+    # A cache with nothing to give back on a disk full past the reserve: a
+    # pause, no file made, no exception.
+    fill(small_fs)
+    empty = small_fs / "other"
+    e = ChunkCache(str(empty), 1 << 30)
+    with caplog.at_level(logging.WARNING, logger="verneuil_fuse.cache"):
+        e.put(*chunks(1, seed=2)[0])
+    assert "no room left on its file system" in caplog.text
+    assert e.stats["puts_skipped"] == 1 and files(empty, ".seg") == []
+    e.close()
+    os.unlink(filler)

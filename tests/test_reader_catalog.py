@@ -407,7 +407,7 @@ def test_hydrate_warns_once_when_the_databases_exceed_the_cache(local_store, tmp
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    warnings = [r.getMessage() for r in caplog.records if "do not fit in cache_size" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "do not fit in the disk cache" in r.getMessage()]
     assert len(warnings) == 1, warnings
 
 

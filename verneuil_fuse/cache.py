@@ -35,6 +35,14 @@ like before: a least-recently-used order would make every read a write),
 before a new segment starts, so the bytes on disk stay within
 ``size_limit`` (bar races between processes).
 
+The file system is shared: the cache never fills it. Before a new segment
+starts, the oldest segments are also deleted until the segment fits with a
+reserve still free (`FREE_RESERVE_FRACTION`), so a ``size_limit`` larger than
+the disk bounds nothing and the disk bounds the cache. A write the file system
+refuses anyway (another program filled it, a quota) pauses writes to the cache
+for `WRITE_PAUSE_S` with one warning: reads go on from the store, a full disk
+costs neither errors nor a log line per chunk.
+
 Everything here blocks: the fetcher calls it from worker threads. All
 methods are thread-safe.
 """
@@ -79,6 +87,25 @@ MIN_SEGMENT_BYTES = 1 << 20
 # salted so that an all-zero record, left by a crash, never passes).
 RECORD = struct.Struct("<QQQII")
 _CHECK_SALT = 0x56434331  # "VCC1"
+
+# Share of the cache's file system left free for the rest of the machine
+# (the default cache_dir, /var/cache/verneuil, is on the root file system):
+# a new segment starts only if this much stays free after it, else the
+# oldest segments go first. 5 % is what ext4 keeps back for root by default;
+# the mount's own writes stop short of it without relying on running as root.
+FREE_RESERVE_FRACTION = 0.05
+# ... but never more than 1 GiB: 5 % of a large disk is far more than other
+# programs need to go on working, and would be cache taken from the user.
+FREE_RESERVE_MAX = 1 << 30
+# After a write to the cache failed (ENOSPC, EDQUOT, EIO) or no room is left
+# past the reserve, new chunks are not cached for this long. Reads go on from
+# the store meanwhile; one statvfs and one log line per pause rather than per
+# chunk (a scan caches some 250 chunks a second). Short enough that space
+# freed by others is used again soon.
+WRITE_PAUSE_S = 10.0
+# A pause is logged as a warning at most this often (else at debug level): a
+# full disk stays full for hours, and one line every few minutes says so.
+PAUSE_WARN_INTERVAL_S = 300.0
 
 # How often a miss may rescan the directory for segments that other
 # processes sharing the directory wrote or deleted. A rescan is a listdir and
@@ -126,7 +153,6 @@ class ChunkCache:
     def __init__(self, directory: str, size_limit: int = DEFAULT_CACHE_SIZE):
         self.directory = directory
         self.size_limit = size_limit
-        self.segment_bytes = max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, size_limit // SEGMENTS_PER_CACHE))
         self._dir = os.path.join(directory, FORMAT_DIR)
         os.makedirs(self._dir, exist_ok=True)
         if not os.access(self._dir, os.R_OK | os.W_OK | os.X_OK):
@@ -137,10 +163,36 @@ class ChunkCache:
         self._active: _Segment | None = None
         self._last_rescan = 0.0
         self._closed = False
-        self.stats = dict.fromkeys(("hits", "misses", "corrupt", "puts", "evicted_segments", "rescans"), 0)
+        self._paused_until = 0.0
+        self._last_pause_warning = -PAUSE_WARN_INTERVAL_S
+        self.stats = dict.fromkeys(
+            ("hits", "misses", "corrupt", "puts", "evicted_segments", "rescans", "write_pauses", "puts_skipped"), 0
+        )
+        self.segment_bytes = self._segment_size(size_limit)
+        # What the cache can hold: size_limit, or less when its disk is smaller
+        # (as measured at start; the disk is checked again at every segment).
+        self.capacity = size_limit
         with self._lock:
             self._rescan_locked()
             self._evict_locked(0)
+            # What the disk can hold: the cache's own files plus the room left
+            # past the reserve (without the reserve for a disk that statvfs
+            # cannot describe).
+            room = self._disk_room()
+            held = sum(s.disk_bytes for s in self._segments.values())
+        if room is not None and held + room < size_limit:
+            usable = max(0, held + room)
+            self.capacity = usable
+            self.segment_bytes = self._segment_size(usable)
+            log.warning(
+                "cache_size (%.1f MiB) is more than the file system of %s can give the cache (%.1f MiB, keeping "
+                "%.0f %% of it free): the disk bounds the cache",
+                size_limit / (1 << 20), directory, usable / (1 << 20), FREE_RESERVE_FRACTION * 100,
+            )
+
+    @staticmethod
+    def _segment_size(limit: int) -> int:
+        return max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, limit // SEGMENTS_PER_CACHE))
 
     # ----------------------------------------------------------------- reads
     def get(self, fp: Fprint) -> bytes | None:
@@ -314,32 +366,50 @@ class ChunkCache:
         with self._lock:
             if self._closed or fp in self._index:
                 return
+            if self._paused_until:
+                if time.monotonic() < self._paused_until:
+                    self.stats["puts_skipped"] += 1
+                    return
+                self._paused_until = 0.0
+                log.debug("cache %s: writes resumed", self._dir)
             seg = self._active
             if seg is not None and (seg.dead or seg.data_bytes + length > self.segment_bytes or self._unlinked(seg)):
                 self._seal_locked(seg)
                 seg = None
             if seg is None:
-                self._evict_locked(self.segment_bytes)
-                seg = self._active = self._create_locked()
+                if not self._evict_locked(self.segment_bytes):
+                    self._pause_locked("no room left on its file system past the %.0f %% kept free"
+                                       % (FREE_RESERVE_FRACTION * 100))
+                    self.stats["puts_skipped"] += 1
+                    return
+                try:
+                    seg = self._active = self._create_locked()
+                except OSError as e:
+                    self._pause_locked("cannot create a segment: %s" % (e.strerror or e))
+                    self.stats["puts_skipped"] += 1
+                    return
             off = seg.data_bytes
             seg.data_bytes += length
             seg.readers += 1  # keeps the descriptors open while we write
             fd, idx_fd = seg.fd, seg.idx_fd
         ok = False
+        error: OSError | None = None
         try:
             os.pwrite(fd, data, off)
             os.write(idx_fd, encode_record(fp, off, length))
             ok = True
         except OSError as e:
-            log.warning("cannot write chunk %016x/%016x to the cache: %s", fp.major, fp.minor, e)
+            error = e
         with self._lock:
             if ok and not seg.dead:
                 seg.idx_bytes += RECORD.size
                 seg.fps.append(fp)
                 self._index[fp] = (seg, off, length)
                 self.stats["puts"] += 1
-            elif not ok and seg is self._active:
-                self._seal_locked(seg)  # a failed write: start afresh next time
+            elif not ok:
+                if seg is self._active:
+                    self._seal_locked(seg)  # a failed write: a new segment after the pause
+                self._pause_locked("cannot write chunk %016x/%016x: %s" % (fp.major, fp.minor, error.strerror or error))
             self._release_locked(seg)
 
     # ------------------------------------------------------------ accounting
@@ -354,8 +424,10 @@ class ChunkCache:
             out = {
                 "bytes": sum(s.disk_bytes for s in self._segments.values()),
                 "limit": self.size_limit,
+                "capacity": self.capacity,
                 "chunks": len(self._index),
                 "segments": len(self._segments),
+                "writes_paused": bool(self._paused_until) and time.monotonic() < self._paused_until,
             }
             out.update(self.stats)
             return out
@@ -457,11 +529,39 @@ class ChunkCache:
             seg.fd = os.open(seg.seg_path, os.O_RDONLY | os.O_CLOEXEC)
         return seg.fd
 
-    def _evict_locked(self, room: int) -> None:
-        """Delete the oldest segments until ``room`` more bytes fit."""
+    def _disk_room(self) -> int | None:
+        """Bytes the cache may still write to its file system, keeping the
+        reserve free (negative when others ate into it); None when statvfs
+        fails (the size bound alone then applies)."""
+        try:
+            st = os.statvfs(self._dir)
+        except OSError:
+            return None
+        reserve = min(FREE_RESERVE_MAX, int(st.f_blocks * st.f_frsize * FREE_RESERVE_FRACTION))
+        return st.f_bavail * st.f_frsize - reserve
+
+    def _pause_locked(self, reason: str) -> None:
+        """Stop writing new chunks for `WRITE_PAUSE_S` (see there)."""
+        now = time.monotonic()
+        self._paused_until = now + WRITE_PAUSE_S
+        self.stats["write_pauses"] += 1
+        if now - self._last_pause_warning >= PAUSE_WARN_INTERVAL_S:
+            self._last_pause_warning = now
+            log.warning("disk cache %s: %s; not caching new chunks for %g s (reads go on from the store)",
+                        self.directory, reason, WRITE_PAUSE_S)
+        else:
+            log.debug("disk cache %s: %s; paused again", self.directory, reason)
+
+    def _evict_locked(self, room: int) -> bool:
+        """Delete the oldest segments until ``room`` more bytes fit, both in
+        ``size_limit`` and on the file system past its reserve. Returns
+        whether they do (only the disk can say no: when even an empty cache
+        would leave too little free)."""
         total = sum(s.disk_bytes for s in self._segments.values())
+        disk = self._disk_room()
+        short = 0 if disk is None else room - disk  # bytes the disk lacks
         for name in sorted(self._segments):
-            if total + room <= self.size_limit:
+            if total + room <= self.size_limit and short <= 0:
                 break
             seg = self._segments[name]
             if seg is self._active:
@@ -474,9 +574,11 @@ class ChunkCache:
                 except OSError as e:
                     log.warning("cannot evict cache file %s: %s", path, e)
             total -= seg.disk_bytes
+            short -= seg.disk_bytes
             self.stats["evicted_segments"] += 1
             log.debug("evicted cache segment %s (%d chunks)", seg.name, len(seg.fps))
             self._drop_locked(seg)
+        return short <= 0
 
     def _drop_locked(self, seg: _Segment) -> None:
         self._segments.pop(seg.name, None)

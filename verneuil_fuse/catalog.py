@@ -499,10 +499,11 @@ class Catalog:
         cache = self.fetcher.cache
         if cache is not None and not self._warned_cache_size:
             total = sum(e.current.size for e in self.entries.values())
-            if total > cache.size_limit:
+            if total > cache.capacity:
                 self._warned_cache_size = True
-                log.warning("hydration: the databases (%.1f MiB) do not fit in cache_size (%.1f MiB): the disk "
-                            "cache will evict chunks it hydrated", total / (1 << 20), cache.size_limit / (1 << 20))
+                log.warning("hydration: the databases (%.1f MiB) do not fit in the disk cache (%.1f MiB: cache_size, "
+                            "or less if its disk is smaller): it will evict chunks it hydrated",
+                            total / (1 << 20), cache.capacity / (1 << 20))
 
     # ------------------------------------------------------------------- stats
     def stats(self) -> dict:
