@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -400,6 +401,7 @@ static int write_scratch(struct vn_spool_session *s, const struct iovec *iov,
 {
 	struct iovec left[VN_SPOOL_IOV_MAX];
 	struct stat st;
+	uint64_t total;
 	int fd, rc;
 
 	if (cnt > VN_SPOOL_IOV_MAX) {
@@ -407,6 +409,12 @@ static int write_scratch(struct vn_spool_session *s, const struct iovec *iov,
 		return EINVAL;
 	}
 	memcpy(left, iov, (size_t)cnt * sizeof(*iov));
+	total = 0;
+	for (int k = 0; k < cnt; k++)
+		total += iov[k].iov_len;
+	rc = vn_spool_check_room(s, total);
+	if (rc != 0)
+		return rc;
 	random_name(tmp);
 	fd = openat(s->scratch_fd, tmp,
 	    O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, VN_FILE_MODE);
@@ -428,6 +436,23 @@ static int write_scratch(struct vn_spool_session *s, const struct iovec *iov,
 		unlinkat(s->scratch_fd, tmp, 0);
 	}
 	return rc;
+}
+
+int vn_spool_check_room(struct vn_spool_session *s, uint64_t bytes)
+{
+	struct statvfs sv;
+	uint64_t avail, reserve;
+
+	if (fstatvfs(s->db_fd, &sv) != 0)
+		return 0;
+	avail = (uint64_t)sv.f_bavail * sv.f_frsize;
+	reserve = (uint64_t)sv.f_blocks * sv.f_frsize / 100 * VN_SPOOL_FREE_PERCENT;
+	if (reserve > VN_SPOOL_FREE_MAX)
+		reserve = VN_SPOOL_FREE_MAX;
+	if (avail >= reserve && avail - reserve >= bytes)
+		return 0;
+	s->what = "keep the spool's file system from filling up";
+	return ENOSPC;
 }
 
 /*
@@ -720,6 +745,11 @@ int vn_spool_stage_chunk(struct vn_spool_session *s, uint64_t major,
 	}
 	*created = 1;
 	if (s->link_mode != VN_LINK_NONE) {
+		rc = vn_spool_check_room(s, n);
+		if (rc != 0) {
+			*created = 0;
+			return rc;
+		}
 		rc = stage_tmpfile(s, name, data, n, created);
 		if (rc != EOPNOTSUPP)
 			return rc;

@@ -97,6 +97,20 @@ int vn_file_id_equal(const struct vn_file_id *a, const struct vn_file_id *b);
  * with 17 bundled chunks takes 36 (manifest_pb.h). */
 #define VN_SPOOL_IOV_MAX 40
 
+/*
+ * The spool never takes the last of its file system, which it often shares
+ * with the database it replicates: a write that would leave less than
+ * VN_SPOOL_FREE_PERCENT % of it free (at most VN_SPOOL_FREE_MAX bytes) is not
+ * made, and the snapshot is abandoned like on any other spool error (the
+ * commit stands; the next one rebuilds once there is room, which copiers make
+ * as they ship and delete staged chunks).  So replication alone never fills a
+ * disk to the point where SQLite's own writes fail.  5 % is what ext4 keeps
+ * back for root by default, without relying on it (the writer may be root);
+ * 1 GiB is room enough for SQLite to go on on a large disk.
+ */
+#define VN_SPOOL_FREE_PERCENT 5
+#define VN_SPOOL_FREE_MAX ((uint64_t)1 << 30)
+
 /* How a chunk file gets its name (learnt on first use, per session). */
 enum vn_link_mode {
 	VN_LINK_UNKNOWN = 0,
@@ -114,6 +128,11 @@ struct vn_spool_session {
 	enum vn_link_mode link_mode;
 	const char *what; /* the operation that failed, for the log */
 };
+
+/* 0 if `bytes` more can be written to the spool's file system with its
+ * reserve still free (or if statvfs cannot tell: the write itself will);
+ * else ENOSPC, with s->what set. */
+int vn_spool_check_room(struct vn_spool_session *s, uint64_t bytes);
 
 /* Opens (creating as needed) the directories and the `source` file. */
 int vn_spool_open(const struct vn_spool *spool, struct vn_spool_session *s);

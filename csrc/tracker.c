@@ -18,6 +18,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/xattr.h>
+#include <time.h>
 #include <unistd.h>
 
 static_assert(VN_CHUNK_SIZE == 65536, "FORMAT.md fixes chunks at 64 KiB");
@@ -570,6 +571,22 @@ static void maybe_gc(struct build *b, double gc_weight)
 	t->stats.gc_removed += removed;
 }
 
+/* Whether to leave out the log line of a failure for want of space: the
+ * first one is logged, then one per VN_LOW_SPACE_LOG_SECONDS. */
+static int low_space_quiet(struct vn_tracker *t)
+{
+	struct timespec now;
+
+	if (clock_gettime(CLOCK_MONOTONIC, &now) != 0)
+		return 0;
+	if (t->low_space_logged_at != 0 &&
+	    now.tv_sec - t->low_space_logged_at < VN_LOW_SPACE_LOG_SECONDS)
+		return 1;
+	/* CLOCK_MONOTONIC may start near 0: keep 0 for "never". */
+	t->low_space_logged_at = now.tv_sec > 0 ? now.tv_sec : 1;
+	return 0;
+}
+
 enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
     sqlite3_file *db, const struct vn_snapshot_config *config)
 {
@@ -646,6 +663,15 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 			b.err = rc;
 			goto fail;
 		}
+	}
+	/* A spool already short of space: give up before reading anything
+	 * (a full rebuild would read the whole file only to stop at its first
+	 * new chunk). */
+	rc = vn_spool_check_room(b.s, VN_CHUNK_SIZE);
+	if (rc != 0) {
+		b.what = b.s->what;
+		b.err = rc;
+		goto fail;
 	}
 	b.n_chunks = ((uint64_t)b.size + VN_CHUNK_SIZE - 1) / VN_CHUNK_SIZE;
 
@@ -762,8 +788,10 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 	    b.words, b.n_chunks, &published);
 	if (rc != 0) {
 		/* The staged snapshot stands; ready is retried next time. */
-		vn_log(SQLITE_WARNING, "verneuil: %s: cannot publish ready: %s: %s",
-		    t->path, b.s->what, strerror(rc));
+		if (rc != ENOSPC || !low_space_quiet(t))
+			vn_log(SQLITE_WARNING,
+			    "verneuil: %s: cannot publish ready: %s: %s",
+			    t->path, b.s->what, strerror(rc));
 	} else if (published) {
 		t->stats.ready++;
 	} else {
@@ -773,6 +801,11 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 
 fail:
 	t->stats.failed++;
+	if (b.err == ENOSPC) {
+		t->stats.low_space++;
+		if (low_space_quiet(t))
+			goto abandon;
+	}
 	if (b.err != 0)
 		vn_log(SQLITE_WARNING, "verneuil: %s: snapshot abandoned: %s: %s",
 		    t->path, b.what, strerror(b.err));
@@ -780,6 +813,7 @@ fail:
 		vn_log(b.sqlite_rc ? b.sqlite_rc : SQLITE_IOERR,
 		    "verneuil: %s: snapshot abandoned: %s (SQLite error %d)",
 		    t->path, b.what, b.sqlite_rc);
+abandon:
 	vn_tracker_clear_version(t);
 	vn_spool_close(b.s); /* reopened (and recreated) next time */
 	t->staged_valid = 0;

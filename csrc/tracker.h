@@ -44,7 +44,14 @@ struct vn_tracker_stats {
 	uint64_t gc_removed;  /* chunk files removed by GC */
 	uint64_t staged;      /* chunk files written */
 	uint64_t bundled;     /* chunks besides chunk 0 in the last manifest */
+	uint64_t low_space;   /* of `failed`: the spool's file system was
+	                       * short of space (VN_SPOOL_FREE_PERCENT) */
 };
+
+/* A spool short of space stays so for a while (until copiers ship what it
+ * holds): its abandoned snapshots are logged once a minute per database, not
+ * once per commit. */
+#define VN_LOW_SPACE_LOG_SECONDS 60
 
 struct vn_tracker {
 	const char *path;          /* canonical db path (for xattrs); not owned */
@@ -89,6 +96,7 @@ struct vn_tracker {
 	uint64_t rng;              /* splitmix64 state for GC and verification */
 
 	struct vn_tracker_stats stats;
+	int64_t low_space_logged_at; /* CLOCK_MONOTONIC seconds; 0: never */
 };
 
 /* gc_weight: GC runs with probability gc_weight * (chunks staged now) /

@@ -319,7 +319,8 @@ static int pragma(sqlite3_file *f, char **args)
 		args[0] = sqlite3_mprintf("full=%llu incremental=%llu "
 		    "unchanged=%llu failed=%llu hot_journal=%llu "
 		    "verify_mismatch=%llu ready=%llu gc=%llu gc_removed=%llu "
-		    "staged=%llu bundled=%llu wal=%d no_xattr=%d",
+		    "staged=%llu bundled=%llu low_space=%llu wal=%d "
+		    "no_xattr=%d",
 		    (unsigned long long)s->full,
 		    (unsigned long long)s->incremental,
 		    (unsigned long long)s->unchanged,
@@ -329,7 +330,8 @@ static int pragma(sqlite3_file *f, char **args)
 		    (unsigned long long)s->ready, (unsigned long long)s->gc,
 		    (unsigned long long)s->gc_removed,
 		    (unsigned long long)s->staged,
-		    (unsigned long long)s->bundled, db->wal,
+		    (unsigned long long)s->bundled,
+		    (unsigned long long)s->low_space, db->wal,
 		    db->tracker.no_xattr);
 		return SQLITE_OK;
 	}

@@ -6,6 +6,7 @@ and the manifest must pass verneuil_fuse.format.decode_and_validate.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import sqlite3
@@ -211,6 +212,68 @@ print(writer_vfs.stats(c)["wal"])
     conn = sqlite3.connect(db)
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     conn.close()
+
+
+def test_spool_leaves_its_file_system_room_for_sqlite(tmp_path):
+    """Database and spool on one small file system (a real 24 MiB tmpfs),
+    another program takes all but a little more than the spool's reserve:
+    every commit stands, the spool writes nothing past its reserve (SQLite
+    alone may use it), one log line says why (not one per commit); once there
+    is room again the next commit stages the whole file again."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(fs)], check=True)
+    script = r"""
+import json, os, sys, writer_vfs
+spool, db, filler = sys.argv[1:4]
+writer_vfs.register(spool); writer_vfs.set_log_stderr(True)
+c = writer_vfs.connect(db, isolation_level=None)
+c.execute("CREATE TABLE t(k INTEGER PRIMARY KEY, v)")
+for i in range(16):
+    c.execute("INSERT INTO t(v) VALUES (randomblob(200000))")
+before = writer_vfs.stats(c)
+st = os.statvfs(db)
+reserve = st.f_blocks * st.f_frsize * 5 // 100
+with open(filler, "wb") as f:  # leave the reserve and 1 MiB more
+    f.write(b"x" * (st.f_bavail * st.f_frsize - reserve - (1 << 20)))
+lowest = None
+for i in range(60):
+    c.execute("UPDATE t SET v = randomblob(200000) WHERE k = ?", (i % 16 + 1,))
+    st = os.statvfs(db)
+    lowest = min(lowest or st.f_bavail, st.f_bavail)
+during = writer_vfs.stats(c)
+print(json.dumps({"before": before, "during": during, "lowest_free": lowest * st.f_frsize,
+                  "reserve": reserve}))
+sys.stdout.flush()
+os.unlink(filler)
+c.execute("UPDATE t SET v = randomblob(200000) WHERE k = 1")
+print(json.dumps(writer_vfs.stats(c)))
+assert c.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+"""
+    try:
+        db = str(fs / "db" / "x.db")
+        os.makedirs(os.path.dirname(db))
+        spool_root = str(fs / "spool")
+        out = subprocess.run([sys.executable, "-c", script, spool_root, db, str(fs / "filler")],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        first, last = [json.loads(line) for line in out.stdout.splitlines()]
+        before, during = first["before"], first["during"]
+        assert before["failed"] == 0 and before["low_space"] == 0, before
+        # Every commit stood; the spool went on where a snapshot fitted
+        # above the reserve (GC frees chunks too), and abandoned the others
+        # for want of room, and for nothing else.
+        assert during["low_space"] >= 10 and during["failed"] == during["low_space"], during
+        assert first["lowest_free"] >= first["reserve"] - (64 << 10), first
+        assert out.stderr.count("snapshot abandoned") == 1, out.stderr
+        assert "keep the spool's file system from filling up" in out.stderr
+        # Room again: the next commit rebuilt the snapshot from a full scan.
+        assert last["low_space"] == during["low_space"] and last["full"] == during["full"] + 1, last
+        assert_staged(db, spool_root)
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False)
 
 
 @pytest.mark.parametrize("locking", ["NORMAL", "EXCLUSIVE"])
