@@ -371,7 +371,7 @@ class ChunkCache:
                     self.stats["puts_skipped"] += 1
                     return
                 self._paused_until = 0.0
-                log.debug("cache %s: writes resumed", self._dir)
+                log.debug("disk cache %s: writes resumed", self.directory)
             seg = self._active
             if seg is not None and (seg.dead or seg.data_bytes + length > self.segment_bytes or self._unlinked(seg)):
                 self._seal_locked(seg)
