@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import random
+import shutil
 import subprocess
 import threading
 import time
@@ -348,3 +349,23 @@ def test_a_cache_on_a_disk_already_past_its_reserve_gives_space_back(small_fs, c
     assert e.stats["puts_skipped"] == 1 and files(empty, ".seg") == []
     e.close()
     os.unlink(filler)
+
+
+def test_a_removed_cache_directory_is_made_again(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cache_mod, "RESCAN_INTERVAL_S", 0.0)
+    c = ChunkCache(str(tmp_path), 1 << 30)
+    first, second = chunks(2)
+    c.put(*first)
+    shutil.rmtree(segdir(tmp_path))  # a cleaner of /var/cache, say
+    # The open segment still serves what it holds until a miss rescans;
+    # then the next chunk goes to a new segment in a new directory.
+    with caplog.at_level(logging.WARNING, logger="verneuil_fuse.cache"):
+        assert c.get(chunks(1, seed=4)[0][0]) is None
+        assert c.get(first[0]) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "cache directory %s was removed: making it again" % segdir(tmp_path)]
+    c.put(*second)
+    assert c.get(second[0]) == second[1] and c.stats["write_pauses"] == 0
+    assert len(files(tmp_path, ".seg")) == 1
+    c.close()
+    assert ChunkCache(str(tmp_path), 1 << 30).get(second[0]) == second[1]

@@ -457,6 +457,10 @@ class ChunkCache:
         self.stats["rescans"] += 1
         try:
             names = {n[: -len(SEG_SUFFIX)] for n in os.listdir(self._dir) if n.endswith(SEG_SUFFIX)}
+        except FileNotFoundError:
+            # Every segment went with the directory (see `_create_locked`).
+            self._make_dir_again()
+            names = set()
         except OSError as e:
             log.warning("cannot list the cache directory %s: %s", self._dir, e)
             return
@@ -498,7 +502,12 @@ class ChunkCache:
     def _create_locked(self) -> _Segment:
         name = "%016x-%d-%s" % (time.time_ns(), os.getpid(), secrets.token_hex(4))
         seg = _Segment(name, os.path.join(self._dir, name + SEG_SUFFIX), os.path.join(self._dir, name + IDX_SUFFIX), own=True)
-        seg.fd = os.open(seg.seg_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            seg.fd = os.open(seg.seg_path, flags, 0o600)
+        except FileNotFoundError:
+            self._make_dir_again()
+            seg.fd = os.open(seg.seg_path, flags, 0o600)
         try:
             seg.idx_fd = os.open(seg.idx_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError:
@@ -507,6 +516,15 @@ class ChunkCache:
             raise
         self._segments[name] = seg
         return seg
+
+    def _make_dir_again(self) -> None:
+        """The directory went (a cleaner of /var/cache, a user's ``rm -r``):
+        make it again rather than stop caching until a remount."""
+        log.warning("cache directory %s was removed: making it again", self._dir)
+        try:
+            os.makedirs(self._dir, exist_ok=True)
+        except OSError as e:
+            log.warning("cannot make the cache directory %s again: %s", self._dir, e)
 
     def _seal_locked(self, seg: _Segment) -> None:
         """Stop appending to our active segment (it stays readable)."""
