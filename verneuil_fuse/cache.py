@@ -377,15 +377,13 @@ class ChunkCache:
                 self._seal_locked(seg)
                 seg = None
             if seg is None:
-                if not self._evict_locked(self.segment_bytes):
-                    self._pause_locked("no room left on its file system past the %.0f %% kept free"
-                                       % (FREE_RESERVE_FRACTION * 100))
-                    self.stats["puts_skipped"] += 1
-                    return
                 try:
+                    if not self._evict_locked(self.segment_bytes):
+                        raise OSError(errno.ENOSPC, "no room left on its file system past the %.0f %% kept free"
+                                      % (FREE_RESERVE_FRACTION * 100))
                     seg = self._active = self._create_locked()
                 except OSError as e:
-                    self._pause_locked("cannot create a segment: %s" % (e.strerror or e))
+                    self._pause_locked("cannot start a segment: %s" % (e.strerror or e))
                     self.stats["puts_skipped"] += 1
                     return
             off = seg.data_bytes
