@@ -369,3 +369,86 @@ def test_a_removed_cache_directory_is_made_again(tmp_path, monkeypatch, caplog):
     assert len(files(tmp_path, ".seg")) == 1
     c.close()
     assert ChunkCache(str(tmp_path), 1 << 30).get(second[0]) == second[1]
+
+
+def test_reserved_slots_lay_chunks_out_in_the_order_fetches_started(tmp_path):
+    """Chunks whose fetches started in file order land back to back in that
+    order, whatever order their bytes arrive in (here reversed, from several
+    threads), so that one mapped view serves them; reserving does no I/O (a
+    segment's files appear at its first write)."""
+    items = chunks(12, seed=20) + chunks(1, seed=21, size=1000)
+    fps = [fp for fp, _ in items]
+    lengths = [len(d) for _, d in items]
+    whole = b"".join(d for _, d in items)
+    c = ChunkCache(str(tmp_path), 1 << 30)
+    slots = [c.reserve() for _ in items]
+    assert all(slots) and files(tmp_path, ".seg") == []
+    threads = [threading.Thread(target=c.put, args=(fp, data, slot))
+               for (fp, data), slot in reversed(list(zip(items, slots)))]
+    for t in threads:
+        t.start()
+        time.sleep(0.002)  # let each write go before the next starts
+    for t in threads:
+        t.join(10)
+    assert len(files(tmp_path, ".seg")) == 1 and c.stats["puts"] == 13
+    view = c.view(fps, lengths)
+    assert view is not None and view.readonly and bytes(view) == whole
+    assert c.stats["mapped_hits"] == 13
+    assert bytes(c.view(fps[3:7], lengths[3:7])) == whole[3 * CHUNK_SIZE : 7 * CHUNK_SIZE]
+    # Not back to back in the order asked, a length that differs, a chunk
+    # not cached: no view (the caller copies them with read_into).
+    other = chunks(1, seed=22)[0][0]
+    assert c.view([fps[0], fps[2]], [CHUNK_SIZE] * 2) is None
+    assert c.view([fps[1], fps[0]], [CHUNK_SIZE] * 2) is None
+    assert c.view(fps[11:], [CHUNK_SIZE, CHUNK_SIZE]) is None
+    assert c.view([fps[0], other], [CHUNK_SIZE] * 2) is None
+    # The short last chunk's slot was the segment's end: it shrank to fit.
+    assert c.describe()["bytes"] == len(whole) + 13 * RECORD.size
+    # The layout is what another process (or the next mount) finds.
+    c.close()
+    assert bytes(view) == whole  # a view outlives the cache that made it
+    d = ChunkCache(str(tmp_path), 1 << 30)
+    assert bytes(d.view(fps, lengths)) == whole
+    d.close()
+
+
+def test_slots_given_back_fetches_that_failed_and_segments_that_fill(tmp_path, monkeypatch):
+    """A slot whose fetch failed is given back: a hole if others follow it
+    (never indexed, never served), the segment's end again if it was the
+    last. Slots past the end of a full segment open the next one; a segment
+    that went meanwhile (evicted) makes its slots' chunks plain appends."""
+    c = ChunkCache(str(tmp_path), 16 << 20)  # 1 MiB segments: 16 chunks each
+    assert c.segment_bytes == 1 << 20
+    items = chunks(40, seed=23)
+    fps = [fp for fp, _ in items]
+    slots = [c.reserve() for _ in items]
+    c.release(slots[5])
+    c.release(slots[5])  # idempotent
+    for k in reversed(range(40)):
+        if k != 5:
+            c.put(*items[k], slots[k])
+    assert c.stats["unused_slots"] == 1 and len(files(tmp_path, ".seg")) == 3
+    assert c.get(fps[5]) is None and not c.has(fps[5])
+    assert c.view(fps[4:7], [CHUNK_SIZE] * 3) is None  # the hole breaks the run
+    assert [bytes(c.view(fps[a:b], [CHUNK_SIZE] * (b - a))) for a, b in ((0, 5), (6, 16), (16, 32), (32, 40))] == [
+        b"".join(d for _, d in items[a:b]) for a, b in ((0, 5), (6, 16), (16, 32), (32, 40))]
+    assert c.view(fps[15:17], [CHUNK_SIZE] * 2) is None  # two segments
+    # The last slot given back: the segment ends where it did.
+    before = c.describe()["bytes"]
+    c.release(c.reserve())
+    assert c.describe()["bytes"] == before
+    # A slot whose segment another process evicts before the bytes come:
+    # the chunk is appended to a new segment instead.
+    late = chunks(2, seed=24)
+    slot = c.reserve()
+    other = ChunkCache(str(tmp_path), 1 << 20)  # at most one segment: every other goes
+    other.put(*late[1])
+    assert len(files(tmp_path, ".seg")) == 1
+    monkeypatch.setattr(cache_mod, "RESCAN_INTERVAL_S", 0.0)
+    assert c.get(chunks(1, seed=25)[0][0]) is None  # a miss: c rescans ...
+    assert not c.has(fps[0])  # ... and drops its segments, gone
+    c.put(*late[0], slot)
+    assert c.get(late[0][0]) == late[0][1] and c.get(late[1][0]) == late[1][1]
+    assert len(files(tmp_path, ".seg")) == 2
+    other.close()
+    c.close()

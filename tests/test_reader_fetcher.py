@@ -280,3 +280,31 @@ def test_read_into_takes_each_chunk_from_where_it_is(chunks, tmp_path):
 
     assert run(f, failing)
     assert f.stats["corrupt"] == 5 and bufs[3] == bytearray(len(pub.chunks[fps[4]]))
+
+
+def test_prefetched_chunks_land_in_the_order_fetches_started(chunks, tmp_path):
+    """GETs that end in the reverse order of a sequential prefetch still
+    leave its chunks back to back in file order in the disk cache, so that a
+    later read of them is one mapped view (no copy, no GET); a GET that
+    fails gives its place back, and the chunks around it are still served."""
+    store, fps, pub = chunks
+    for k, fp in enumerate(fps):  # the first started ends last
+        store.chunks.fail[fp.name] = [0.04 * (len(fps) - k)]
+    store.chunks.fail[fps[2].name] = [NotFound("gone")] * 5 + [0.01]
+    f = Fetcher(store, ChunkCache(str(tmp_path / "c"), 1 << 26), retries=0)
+
+    async def prefetch_and_wait():
+        f.prefetch(fps)
+        with trio.fail_after(20):  # flights, then their cache writes
+            while f._inflight or len(f.cache) < len(fps) - 1:
+                await trio.sleep(0.01)
+
+    run(f, prefetch_and_wait)
+    assert f.stats["failed"] == 1 and f.cache.stats["unused_slots"] == 1
+    lengths = [len(pub.chunks[fp]) for fp in fps]
+    gets = len(store.chunks.gets)
+    assert f.read_view(fps[:2], lengths[:2]) is not None
+    view = f.read_view(fps[3:], lengths[3:])
+    assert view is not None and bytes(view) == b"".join(pub.chunks[fp] for fp in fps[3:])
+    assert f.read_view(fps[1:4], lengths[1:4]) is None  # the hole where chunk 2 would be
+    assert len(store.chunks.gets) == gets and f.stats["disk_hits_mapped"] == len(fps) - 1

@@ -15,6 +15,15 @@ appended back to back in one file are then read with the kernel's readahead
 at the disk's sequential speed. One file per chunk costs an open and a
 metadata lookup per 64 KiB and measured 4-5 times slower (docs/READER.md).
 
+Chunks land in the order their fetches *started*, not the order they arrived:
+the fetcher takes a `_Slot` (the next 64 KiB of the segment being written)
+when it starts a fetch, in the trio thread, and the bytes go there when they
+come. Fetches started for a sequential read are in file order, so the chunks
+of one read request lie back to back in file order, and a later read of them
+is one mapped range (`view`): the kernel copies the reply straight from the
+segment's pages, with no copy into a buffer of ours (a warm read's largest
+cost after the disk). A slot left unused (the fetch failed) is a hole.
+
 Layout of the directory (``FORMAT_DIR``)::
 
     <name>.seg   chunk bytes, appended back to back
@@ -50,6 +59,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import secrets
 import struct
@@ -107,6 +117,12 @@ WRITE_PAUSE_S = 10.0
 # full disk stays full for hours, and one line every few minutes says so.
 PAUSE_WARN_INTERVAL_S = 300.0
 
+# madvise(2) advice that maps a range's pages and reads those not in memory,
+# returning an error where touching them would raise SIGBUS (Linux 5.14+;
+# Python 3.11's mmap module does not name it: the value of the kernel's
+# uapi/asm-generic/mman-common.h).
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
 # How often a miss may rescan the directory for segments that other
 # processes sharing the directory wrote or deleted. A rescan is a listdir and
 # one fstat per segment; once a second costs nothing next to a GET.
@@ -141,10 +157,22 @@ class _Segment:
     readers: int = 0  # reads and writes under way (the descriptors stay open)
     dead: bool = False  # deleted: close the fd when the last reader leaves
     fps: list = field(default_factory=list)  # every fingerprint recorded here
+    map: mmap.mmap | None = None  # the file mapped read-only (`ChunkCache.view`), once asked for
 
     @property
     def disk_bytes(self) -> int:
         return self.data_bytes + self.idx_bytes
+
+
+class _Slot:
+    """Room for one chunk in a segment of ours, taken before its bytes exist
+    (`ChunkCache.reserve`); its segment is None once used or given back."""
+
+    __slots__ = ("seg", "off")
+
+    def __init__(self, seg: _Segment, off: int):
+        self.seg: _Segment | None = seg
+        self.off = off
 
 
 class ChunkCache:
@@ -166,8 +194,10 @@ class ChunkCache:
         self._paused_until = 0.0
         self._last_pause_warning = -PAUSE_WARN_INTERVAL_S
         self.stats = dict.fromkeys(
-            ("hits", "misses", "corrupt", "puts", "evicted_segments", "rescans", "write_pauses", "puts_skipped"), 0
+            ("hits", "misses", "corrupt", "puts", "evicted_segments", "rescans", "write_pauses", "puts_skipped",
+             "mapped_hits", "unused_slots"), 0
         )
+        self._views = True  # False once the kernel cannot populate mappings
         self.segment_bytes = self._segment_size(size_limit)
         # What the cache can hold: size_limit, or less when its disk is smaller
         # (as measured at start; the disk is checked again at every segment).
@@ -195,6 +225,66 @@ class ChunkCache:
         return max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, limit // SEGMENTS_PER_CACHE))
 
     # ----------------------------------------------------------------- reads
+    def view(self, fps: list[Fprint], lengths: list[int]) -> memoryview | None:
+        """The verified bytes of these chunks, one after the other, as a
+        read-only view of the mapped segment that holds them back to back in
+        this order (as `reserve` lays out a sequential read's chunks); None
+        when they are not so stored, or not all verified, or the mapping
+        cannot be read (the caller then reads them with `read_into`, which
+        reports what is wrong).
+
+        Every page is mapped and read first (``MADV_POPULATE_READ``: a disk
+        error is an error here, not a SIGBUS on touching the page), then
+        every chunk is checked against its fingerprint. The view stays
+        valid after the segment is evicted (the mapping keeps the file);
+        segments are only ever appended to, never truncated or rewritten,
+        so the bytes checked are the bytes the caller gets."""
+        if not self._views:
+            return None
+        index = self._index
+        loc = index.get(fps[0])
+        if loc is None:
+            return None
+        seg, start, _ = loc
+        end = start
+        for fp, length in zip(fps, lengths):
+            loc = index.get(fp)
+            if loc is None or loc[0] is not seg or loc[1] != end or loc[2] != length:
+                return None
+            end += length
+        with self._lock:
+            m = seg.map
+            if m is None or len(m) < end:
+                if seg.dead:
+                    return None
+                try:
+                    fd = self._read_fd_locked(seg)
+                    size = os.fstat(fd).st_size
+                    if size < end:
+                        return None
+                    m = seg.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+                except (OSError, ValueError) as e:
+                    log.debug("cannot map cache segment %s: %s", seg.name, e)
+                    return None
+        page = start - start % mmap.PAGESIZE
+        try:
+            m.madvise(MADV_POPULATE_READ, page, end - page)
+        except OSError as e:
+            if e.errno == errno.EINVAL:  # a kernel before 5.14: never map again
+                log.debug("no MADV_POPULATE_READ here (%s): cache reads copy", e)
+                self._views = False
+            return None
+        data = memoryview(m)[start:end]
+        at = 0
+        for fp, length in zip(fps, lengths):
+            if fingerprint(data[at : at + length]) != fp:
+                return None
+            at += length
+        with self._lock:
+            self.stats["hits"] += len(fps)
+            self.stats["mapped_hits"] += len(fps)
+        return data
+
     def get(self, fp: Fprint) -> bytes | None:
         """The chunk's verified bytes, or None (not cached, or damaged)."""
         with self._lock:
@@ -358,37 +448,98 @@ class ChunkCache:
             return fp in self._index
 
     # ---------------------------------------------------------------- writes
-    def put(self, fp: Fprint, data: bytes) -> None:
-        """Append a chunk whose bytes were verified against ``fp``."""
+    def reserve(self) -> _Slot | None:
+        """Room for one chunk at the end of the segment being written, for
+        a chunk whose fetch starts now (see the module's docstring): `put`
+        writes it there, or `release` gives it back. No I/O, so the trio
+        thread may call it: a new segment is only named here, its files are
+        made at its first write. None while writes are paused (the chunk is
+        then offered to `put` without a slot)."""
+        with self._lock:
+            if self._closed or self._paused_until:
+                return None
+            seg = self._active
+            if seg is not None and (seg.dead or seg.data_bytes + CHUNK_SIZE > self.segment_bytes):
+                self._seal_locked(seg)
+                seg = None
+            if seg is None:
+                seg = self._active = self._new_locked()
+            slot = _Slot(seg, seg.data_bytes)
+            seg.data_bytes += CHUNK_SIZE
+            seg.readers += 1  # keeps the descriptors open until the write
+            return slot
+
+    def release(self, slot: _Slot | None) -> None:
+        """Give back a slot `put` did not get (the fetch failed or found the
+        chunk cached). Idempotent."""
+        if slot is not None and slot.seg is not None:
+            with self._lock:
+                self._free_slot_locked(slot, 0)
+
+    def _free_slot_locked(self, slot: _Slot, used: int) -> _Segment | None:
+        """Take ``slot`` back from its holder, keeping ``used`` bytes of it;
+        returns its segment still pinned when it can take them, else None.
+        The end of the segment, if the slot is its last, shrinks to fit."""
+        seg, slot.seg = slot.seg, None
+        if seg is None:
+            return None
+        if seg.data_bytes == slot.off + CHUNK_SIZE:
+            seg.data_bytes = slot.off + used
+        if not used:
+            self.stats["unused_slots"] += 1
+        if used and not seg.dead and (seg.idx_fd >= 0 or seg.fd < 0):  # open, or not made yet
+            return seg
+        self._release_locked(seg)
+        return None
+
+    def put(self, fp: Fprint, data: bytes, slot: _Slot | None = None) -> None:
+        """Store a chunk whose bytes were verified against ``fp``: in its
+        ``slot`` if it has one (`reserve`), else at the end of the segment
+        being written."""
         length = len(data)
         if not 0 < length <= min(CHUNK_SIZE, self.segment_bytes):
+            self.release(slot)
             return
         with self._lock:
             if self._closed or fp in self._index:
+                if slot is not None:
+                    self._free_slot_locked(slot, 0)
                 return
             if self._paused_until:
                 if time.monotonic() < self._paused_until:
                     self.stats["puts_skipped"] += 1
+                    if slot is not None:
+                        self._free_slot_locked(slot, 0)
                     return
                 self._paused_until = 0.0
                 log.debug("disk cache %s: writes resumed", self.directory)
-            seg = self._active
-            if seg is not None and (seg.dead or seg.data_bytes + length > self.segment_bytes or self._unlinked(seg)):
-                self._seal_locked(seg)
-                seg = None
-            if seg is None:
+            # The slot's segment, still pinned (its descriptors open), unless
+            # it went meanwhile: then the chunk is appended like any other.
+            seg = self._free_slot_locked(slot, length) if slot is not None else None
+            if seg is not None:
+                off = slot.off
+            else:
+                seg = self._active
+                if seg is not None and (seg.dead or seg.data_bytes + length > self.segment_bytes
+                                        or (seg.fd >= 0 and self._unlinked(seg))):
+                    self._seal_locked(seg)
+                    seg = None
+                if seg is None:
+                    seg = self._active = self._new_locked()
+                off = seg.data_bytes
+                seg.data_bytes += length
+                seg.readers += 1  # keeps the descriptors open while we write
+            if seg.fd < 0:  # its first write: make its files
                 try:
-                    if not self._evict_locked(self.segment_bytes):
-                        raise OSError(errno.ENOSPC, "no room left on its file system past the %.0f %% kept free"
-                                      % (FREE_RESERVE_FRACTION * 100))
-                    seg = self._active = self._create_locked()
+                    self._create_locked(seg)
                 except OSError as e:
+                    seg.dead = True  # its other slots' chunks are appended elsewhere
+                    if seg is self._active:
+                        self._active = None
+                    self._release_locked(seg)
                     self._pause_locked("cannot start a segment: %s" % (e.strerror or e))
                     self.stats["puts_skipped"] += 1
                     return
-            off = seg.data_bytes
-            seg.data_bytes += length
-            seg.readers += 1  # keeps the descriptors open while we write
             fd, idx_fd = seg.fd, seg.idx_fd
         ok = False
         error: OSError | None = None
@@ -497,9 +648,18 @@ class ChunkCache:
         # A partial record at the end may still be completed by its writer.
         seg.idx_bytes += usable
 
-    def _create_locked(self) -> _Segment:
+    def _new_locked(self) -> _Segment:
+        """The next segment of ours, in memory only (`_create_locked` makes its
+        files at its first write)."""
         name = "%016x-%d-%s" % (time.time_ns(), os.getpid(), secrets.token_hex(4))
-        seg = _Segment(name, os.path.join(self._dir, name + SEG_SUFFIX), os.path.join(self._dir, name + IDX_SUFFIX), own=True)
+        return _Segment(name, os.path.join(self._dir, name + SEG_SUFFIX), os.path.join(self._dir, name + IDX_SUFFIX),
+                        own=True)
+
+    def _create_locked(self, seg: _Segment) -> None:
+        """Make room for a new segment of ours, then its files (raises OSError)."""
+        if not self._evict_locked(self.segment_bytes):
+            raise OSError(errno.ENOSPC, "no room left on its file system past the %.0f %% kept free"
+                          % (FREE_RESERVE_FRACTION * 100))
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
             seg.fd = os.open(seg.seg_path, flags, 0o600)
@@ -510,10 +670,10 @@ class ChunkCache:
             seg.idx_fd = os.open(seg.idx_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError:
             os.close(seg.fd)
+            seg.fd = -1
             os.unlink(seg.seg_path)
             raise
-        self._segments[name] = seg
-        return seg
+        self._segments[seg.name] = seg
 
     def _make_dir_again(self) -> None:
         """The directory went (a cleaner of /var/cache, a user's ``rm -r``):
@@ -623,6 +783,7 @@ class ChunkCache:
 
     @staticmethod
     def _close_fds(seg: _Segment) -> None:
+        seg.map = None  # unmapped once the last view of it is released
         for attr in ("fd", "idx_fd"):
             fd = getattr(seg, attr)
             if fd >= 0:

@@ -33,16 +33,24 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# Hydration takes the disk cache's places for this many chunks at a time
+# (1 MiB), back to back, so that the kernel's largest read requests find
+# them in one run even while a second database hydrates alongside.
+HYDRATE_BLOCK = 16
+
+_RESERVE = object()  # `Fetcher._start`: take the chunk's place in the disk cache now
+
 
 class FetchError(Exception):
     """A chunk could not be obtained (after retries): the read must fail (EIO)."""
 
 
 class _Flight:
-    __slots__ = ("event", "data", "error", "prefetch", "wait_scope", "promoted")
+    __slots__ = ("event", "data", "error", "prefetch", "wait_scope", "promoted", "slot")
 
-    def __init__(self, prefetch: bool):
+    def __init__(self, prefetch: bool, slot: Any = None):
         self.event = trio.Event()
+        self.slot = slot  # where the disk cache will put the bytes (`ChunkCache.reserve`)
         self.data: bytes | None = None
         self.error: BaseException | None = None
         self.prefetch = prefetch
@@ -117,6 +125,7 @@ class Fetcher:
                 "prefetch_skipped",  # in memory or under way
                 "prefetch_advised",  # in the disk cache: kernel readahead asked
                 "disk_hits_inline",  # served from the page cache without a thread
+                "disk_hits_mapped",  # of which from a mapped segment, without a copy
                 "prefetch_dropped",  # too many prefetches under way
                 "prefetch_fetched",  # downloaded by a prefetch
                 "prefetch_hits",  # demand served by a prefetched chunk
@@ -217,6 +226,30 @@ class Fetcher:
         assert flight.data is not None
         self._used(fp)
         return flight.data
+
+    def read_view(self, fps: list[Fprint], lengths: list[int]) -> memoryview | None:
+        """The verified bytes of these chunks (one read request's, in file
+        order, ``lengths`` bytes each) as one view of the disk cache's mapped
+        segment, when it holds them back to back in that order (see
+        `ChunkCache.view`): the reply is then copied by the kernel from the
+        segment's pages, not through a buffer of ours. None otherwise (use
+        `read_into`). Blocks on the cache's disk for pages not in memory,
+        like `read_into`."""
+        cache = self.cache
+        if cache is None:
+            return None
+        view = cache.view(fps, lengths)
+        if view is None:
+            return None
+        n = len(fps)
+        stats = self.stats
+        stats["requests"] += n
+        stats["disk_hits"] += n
+        stats["disk_hits_inline"] += n
+        stats["disk_hits_mapped"] += n
+        for fp in fps:
+            self._used(fp)
+        return view
 
     async def read_into(self, fps: list[Fprint], dests: list[memoryview]) -> None:
         """Fill ``dests[k]`` (a writable view of the chunk's length) with the
@@ -352,11 +385,8 @@ class Fetcher:
                 if fp not in self.mem and not (self.cache is not None and self.cache.has(fp))]
         progress.chunks = len(todo)
 
-        async def one(fp: Fprint) -> None:
+        async def one(flight: _Flight) -> None:
             try:
-                flight = self._inflight.get(fp)
-                if flight is None:
-                    flight = self._start(fp, prefetch=True, hydrate=True)
                 await flight.event.wait()
                 if flight.error is None:
                     progress.done += 1
@@ -367,20 +397,49 @@ class Fetcher:
             finally:
                 sem.release()
 
+        cache = self.cache
         async with trio.open_nursery() as nursery:
-            for fp in todo:
-                await sem.acquire()
-                nursery.start_soon(one, fp)
+            for at in range(0, len(todo), HYDRATE_BLOCK):
+                block = todo[at : at + HYDRATE_BLOCK]
+                # The block's places in the disk cache, back to back in file
+                # order, before the other database hydrating meanwhile takes
+                # the next ones (its flights start as slots free up).
+                slots = [cache.reserve() if cache is not None else None for _ in block]
+                try:
+                    for k, fp in enumerate(block):
+                        await sem.acquire()
+                        slot, slots[k] = slots[k], None
+                        flight = self._inflight.get(fp)
+                        if flight is None and not (cache is not None and cache.has(fp)):
+                            flight = self._start(fp, prefetch=True, hydrate=True, slot=slot)
+                        elif cache is not None:
+                            cache.release(slot)
+                        if flight is None:  # cached meanwhile
+                            progress.done += 1
+                            sem.release()
+                        else:
+                            nursery.start_soon(one, flight)
+                finally:  # cancelled: give back the places not used
+                    for slot in slots:
+                        if slot is not None and cache is not None:
+                            cache.release(slot)
         if progress.failed:
             raise FetchError("%d of %d chunks could not be fetched (%s)"
                              % (progress.failed, progress.chunks, progress.error))
         return len(todo)
 
     # ---------------------------------------------------------------- flights
-    def _start(self, fp: Fprint, prefetch: bool, hydrate: bool = False) -> _Flight:
+    def _start(self, fp: Fprint, prefetch: bool, hydrate: bool = False, slot: Any = _RESERVE) -> _Flight:
         if self._nursery is None:
             raise RuntimeError("Fetcher.bind(nursery) was not called")
-        flight = _Flight(prefetch)
+        # The chunk's place in the disk cache is taken now, in the order
+        # fetches start (a sequential read's are in file order), not when
+        # its bytes arrive, in whatever order the GETs end; not for a chunk
+        # the cache has (a read of it that had to wait for the disk).
+        cache = self.cache
+        if slot is _RESERVE:
+            slot = cache.reserve() if cache is not None and not cache.has(fp) else None
+        flight = _Flight(prefetch, slot)
         self._inflight[fp] = flight
         if prefetch:
             self._prefetch_flights += 1
@@ -405,6 +464,8 @@ class Fetcher:
         finally:
             if slot:
                 self.prefetch_slots.release_on_behalf_of(flight)
+            if flight.slot is not None and self.cache is not None:  # not handed to `_cache_put`
+                self.cache.release(flight.slot)
             if flight.prefetch:
                 self._prefetch_flights -= 1
             del self._inflight[fp]
@@ -432,15 +493,18 @@ class Fetcher:
             self.mem.put(fp, data)
         if self.cache is not None:
             assert self._nursery is not None
-            self._nursery.start_soon(self._cache_put, fp, data)
+            self._nursery.start_soon(self._cache_put, fp, data, flight.slot)
+            flight.slot = None
         return data
 
-    async def _cache_put(self, fp: Fprint, data: bytes) -> None:
+    async def _cache_put(self, fp: Fprint, data: bytes, slot: Any = None) -> None:
         assert self.cache is not None
         try:
-            await trio.to_thread.run_sync(self.cache.put, fp, data, limiter=self.cache_limiter)
+            await trio.to_thread.run_sync(self.cache.put, fp, data, slot, limiter=self.cache_limiter)
         except Exception:  # noqa: BLE001 - a cache that cannot be written is not fatal
             log.exception("cannot write chunk %s to the cache", chunk_name(fp))
+        finally:
+            self.cache.release(slot)  # if `put` never ran (cancelled) or failed
 
     async def _download(self, fp: Fprint) -> bytes:
         name = chunk_name(fp)
