@@ -456,7 +456,7 @@ class ChunkCache:
         made at its first write. None while writes are paused (the chunk is
         then offered to `put` without a slot)."""
         with self._lock:
-            if self._closed or self._paused_until:
+            if self._closed or (self._paused_until and time.monotonic() < self._paused_until):
                 return None
             seg = self._active
             if seg is not None and (seg.dead or seg.data_bytes + CHUNK_SIZE > self.segment_bytes):

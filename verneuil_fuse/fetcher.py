@@ -10,7 +10,11 @@ way for the same fingerprint (single-flight: concurrent requests make one
 fetch), the local disk cache (re-verified), then the store (GET, then
 ``decode_chunk`` checks the full 128-bit fingerprint; bounded retries with
 backoff, a per-attempt timeout, then ``FetchError``). Bundled chunks and the
-zero chunk never get here: replicas serve them directly.
+zero chunk never get here: replicas serve them directly. A flight takes its
+chunk's place in the disk cache when it starts (`ChunkCache.reserve`), so
+that chunks fetched in file order are stored in file order, whatever order
+their GETs end in, and a later read request of them is one mapped range
+(`read_view`).
 
 Prefetches use the same flights, but wait for one of a smaller number of
 prefetch slots, so demand reads always find store capacity; a demand read
