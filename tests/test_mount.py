@@ -277,6 +277,26 @@ def test_hydrate_fills_the_cache_then_reads_need_no_get(env):
         assert fetch["disk_hits_mapped"] > 0, fetch
 
 
+def test_chunks_downloaded_before_an_unmount_are_kept(env):
+    """A database read whole on a mount with an empty cache, then at once an
+    unmount: the disk cache writes still under way finish before the process
+    ends (bounded by CACHE_DRAIN_S), so a new mount over that cache reads the
+    database again without a GET."""
+    where = env.add_db("drain.db", 60000, seed=11, payload=300)
+    cache_dir = os.path.join(env.root, "drain-cache")
+    options = "cache_dir=%s,refresh=0.5" % cache_dir
+    with Mount(env.url, os.path.join(env.root, "mnt-drain"), options) as m:
+        wait_for(lambda: os.path.exists(m.path(where)), 20, "drain.db")
+        assert _read(m.path(where)) == env.sources[where]
+        fetched = m.stats()["fetch"]["store_fetches"]
+    assert fetched == -(-len(env.sources[where]) // CHUNK_SIZE) - 1  # all but the bundled chunk 0
+    with Mount(env.url, os.path.join(env.root, "mnt-drain"), options) as m:
+        wait_for(lambda: os.path.exists(m.path(where)), 20, "drain.db")
+        assert _read(m.path(where)) == env.sources[where]
+        fetch = m.stats()["fetch"]
+        assert fetch["gets"] == 0 and fetch["disk_hits"] == fetched, fetch
+
+
 def test_a_cache_on_a_disk_smaller_than_cache_size(env):
     """A second mount whose cache_dir is a 2 MiB file system (a real tmpfs),
     far below cache_size: every file reads back equal, the disk bounds the

@@ -452,3 +452,28 @@ def test_slots_given_back_fetches_that_failed_and_segments_that_fill(tmp_path, m
     assert len(files(tmp_path, ".seg")) == 2
     other.close()
     c.close()
+
+
+def test_a_damaged_chunk_is_never_served_through_a_view(tmp_path):
+    """A byte flipped on disk inside a mapped run: no view of any range that
+    holds it (the caller's copying read then drops the chunk, logged); the
+    runs beside it are still served mapped."""
+    items = chunks(6, seed=26)
+    fps = [fp for fp, _ in items]
+    c = ChunkCache(str(tmp_path), 1 << 30)
+    for fp, data in items:
+        c.put(fp, data, c.reserve())
+    assert c.view(fps, [CHUNK_SIZE] * 6) is not None
+    seg = os.path.join(segdir(tmp_path), files(tmp_path, ".seg")[0])
+    with open(seg, "r+b") as f:  # another writer than the cache: a bad disk, a stray tool
+        f.seek(2 * CHUNK_SIZE + 5)
+        b = f.read(1)
+        f.seek(2 * CHUNK_SIZE + 5)
+        f.write(bytes([b[0] ^ 0x01]))
+    assert c.view(fps, [CHUNK_SIZE] * 6) is None
+    assert c.view(fps[2:3], [CHUNK_SIZE]) is None
+    assert bytes(c.view(fps[3:], [CHUNK_SIZE] * 3)) == b"".join(d for _, d in items[3:])
+    bufs = [bytearray(CHUNK_SIZE) for _ in items]
+    assert c.read_into(fps, [memoryview(b) for b in bufs]) == [True, True, False, True, True, True]
+    assert c.stats["corrupt"] == 1 and not c.has(fps[2])
+    c.close()

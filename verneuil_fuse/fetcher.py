@@ -111,6 +111,7 @@ class Fetcher:
         self._to_advise: list[Fprint] = []  # for `_advise_loop`
         self._advising = False
         self._nursery: trio.Nursery | None = None
+        self._writes: trio.Nursery | None = None
         self.stats: dict[str, int] = dict.fromkeys(
             (
                 "requests",  # demand chunk requests
@@ -140,9 +141,13 @@ class Fetcher:
         )
 
     # ------------------------------------------------------------------ setup
-    def bind(self, nursery: trio.Nursery) -> None:
-        """Flights run in this nursery, not in the tasks that asked for them."""
+    def bind(self, nursery: trio.Nursery, writes: trio.Nursery | None = None) -> None:
+        """Flights run in this nursery, not in the tasks that asked for them;
+        disk cache writes in ``writes`` if given, a nursery that may outlive
+        the flights' so that chunks already downloaded are still stored
+        (the mount lets them finish, for a bounded time, at unmount)."""
         self._nursery = nursery
+        self._writes = writes if writes is not None else nursery
 
     # ----------------------------------------------------------- blocking calls
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
@@ -496,8 +501,8 @@ class Fetcher:
         if not hydrate or flight.promoted:
             self.mem.put(fp, data)
         if self.cache is not None:
-            assert self._nursery is not None
-            self._nursery.start_soon(self._cache_put, fp, data, flight.slot)
+            assert self._writes is not None
+            self._writes.start_soon(self._cache_put, fp, data, flight.slot)
             flight.slot = None
         return data
 

@@ -106,6 +106,12 @@ MAX_CONCURRENCY = 256
 # below 16 MiB could not be kept.
 MIN_CACHE_SIZE = 16 << 20
 
+# At unmount, chunks already downloaded are still written to the disk cache
+# for at most this long: a GET paid for is not thrown away (a scan that ends
+# just before an unmount left some 90 chunks unwritten, fetched again by the
+# next mount), but a disk too slow to take them does not hold the process.
+CACHE_DRAIN_S = 5.0
+
 EXIT_USAGE = 2
 EXIT_SOURCE = 3
 EXIT_MOUNT = 4
@@ -520,43 +526,51 @@ async def serve(opts: Options, store, ready) -> None:
     }
     mounted = False
     try:
-        async with trio.open_nursery() as nursery:
-            fetcher.bind(nursery)
-            catalog.bind(nursery)
-            try:
-                await catalog.refresh(raise_errors=True)
-            except StoreError as e:
-                raise UserError("cannot list %s: %s" % (shown(opts.source), e), EXIT_SOURCE) from None
-            try:
-                pyfuse3.init(ops, opts.mountpoint, opts.fuse)
-            except RuntimeError as e:
-                raise UserError("cannot mount %s: %s" % (opts.mountpoint, e), EXIT_MOUNT) from None
-            mounted = ops.mounted = True
+        async with trio.open_nursery() as writes:
+            async with trio.open_nursery() as nursery:
+                fetcher.bind(nursery, writes)
+                catalog.bind(nursery)
+                try:
+                    await catalog.refresh(raise_errors=True)
+                except StoreError as e:
+                    raise UserError("cannot list %s: %s" % (shown(opts.source), e), EXIT_SOURCE) from None
+                try:
+                    pyfuse3.init(ops, opts.mountpoint, opts.fuse)
+                except RuntimeError as e:
+                    raise UserError("cannot mount %s: %s" % (opts.mountpoint, e), EXIT_MOUNT) from None
+                mounted = ops.mounted = True
 
-            async def settle() -> None:
-                # Readahead first, then "ready": a file opened before the
-                # tuning would keep the 128 KiB readahead while it is open.
-                if opts.read_ahead_kb is None:
-                    await tune_kernel_readahead(opts.mountpoint, DEFAULT_READ_AHEAD_KB, False)
-                else:
-                    await tune_kernel_readahead(opts.mountpoint, opts.read_ahead_kb, True)
-                log.warning("mounted %s on %s (%d databases)", store.url, opts.mountpoint, len(catalog.entries))
-                state["ready"] = True
-                ready()
+                async def settle() -> None:
+                    # Readahead first, then "ready": a file opened before the
+                    # tuning would keep the 128 KiB readahead while it is open.
+                    if opts.read_ahead_kb is None:
+                        await tune_kernel_readahead(opts.mountpoint, DEFAULT_READ_AHEAD_KB, False)
+                    else:
+                        await tune_kernel_readahead(opts.mountpoint, opts.read_ahead_kb, True)
+                    log.warning("mounted %s on %s (%d databases)", store.url, opts.mountpoint, len(catalog.entries))
+                    state["ready"] = True
+                    ready()
 
-            nursery.start_soon(settle)
+                nursery.start_soon(settle)
 
-            async def on_signals() -> None:
-                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-                    async for signum in signals:
-                        log.warning("signal %d: unmounting", signum)
-                        pyfuse3.terminate()
-                        return
+                async def on_signals() -> None:
+                    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+                        async for signum in signals:
+                            log.warning("signal %d: unmounting", signum)
+                            pyfuse3.terminate()
+                            return
 
-            nursery.start_soon(on_signals)
-            nursery.start_soon(catalog.run)
-            await pyfuse3.main()
-            nursery.cancel_scope.cancel()
+                nursery.start_soon(on_signals)
+                nursery.start_soon(catalog.run)
+                await pyfuse3.main()
+                nursery.cancel_scope.cancel()
+            if mounted:
+                mounted = False
+                pyfuse3.close(unmount=True)
+                log.warning("unmounted %s", opts.mountpoint)
+            # Flights cancelled, nothing mounted: the disk cache writes of
+            # chunks already downloaded may finish, for a bounded time.
+            writes.cancel_scope.deadline = trio.current_time() + CACHE_DRAIN_S
     finally:
         if mounted:
             pyfuse3.close(unmount=True)
