@@ -325,6 +325,34 @@ def test_the_disk_bounds_the_cache_and_keeps_its_reserve_free(small_fs, caplog, 
     c.close()
 
 
+def test_slots_of_fetches_under_way_are_counted_against_the_disk(small_fs):
+    """Slots reserved for fetches still under way are bytes promised to the
+    disk that statvfs does not show yet: a new segment starts only if the
+    disk can take it *and* them, so the reserve stays free once every fetch
+    has landed, whatever order they land in."""
+    reserve = int(4 * (1 << 20) * cache_mod.FREE_RESERVE_FRACTION)
+    c = ChunkCache(str(small_fs), 1 << 30)  # 1 MiB segments on a 4 MiB disk
+    items = chunks(300, seed=27)
+    rng = random.Random(28)
+    landed = 0
+    while landed < len(items):
+        # A window of fetches starts (slots in order), then they land
+        # shuffled, the last of each window only after the next starts.
+        batch = items[landed : landed + 24]
+        slots = [c.reserve() for _ in batch]
+        order = list(range(len(batch)))
+        rng.shuffle(order)
+        for k in order:
+            c.put(*batch[k], slots[k])
+            assert free_bytes(small_fs) >= reserve - RECORD.size * 16, landed + k
+        landed += len(batch)
+    assert c.stats["write_pauses"] == 0 and c.stats["evicted_segments"] > 0
+    assert c.describe()["bytes"] <= c.capacity
+    kept = [fp for fp, data in items if c.get(fp) == data]
+    assert len(kept) >= 32 and c.get(items[-1][0]) == items[-1][1]
+    c.close()
+
+
 def test_a_cache_on_a_disk_already_past_its_reserve_gives_space_back(small_fs, caplog):
     c = ChunkCache(str(small_fs), 1 << 30)
     for fp, data in chunks(40):  # 2.5 MiB

@@ -207,7 +207,9 @@ def test_cached_chunks_left_to_the_kernel_with_cache_readahead_0(tmp_path, local
     assert hints and not any(advise for _, _, _, advise in hints)
     assert all(i <= last + 4 for last, i, _, _ in hints)
     assert stats["prefetch_advised"] == 0 and stats["gets"] == 10
-    assert stats["disk_hits_inline"] == stats["disk_hits"] == 29  # chunk 0 is in the manifest
+    # The 29 cached chunks (chunk 0 is in the manifest), and those fetched
+    # here that a later request found in the disk cache already.
+    assert stats["disk_hits_inline"] == stats["disk_hits"] >= 29
 
 
 def test_cache_readahead_runs_ahead_of_the_store_readahead(tmp_path, local_store):

@@ -153,6 +153,8 @@ class _Segment:
     fd: int = -1  # O_RDONLY (others') or O_RDWR (own), opened lazily
     idx_fd: int = -1  # own segments only (O_APPEND)
     data_bytes: int = 0  # size of .seg (own: bytes reserved so far)
+    holes: int = 0  # own: bytes of data_bytes given back unwritten (slots of failed fetches)
+    pending: int = 0  # own: bytes of data_bytes in slots still reserved (their fetch under way)
     idx_bytes: int = 0  # bytes of .idx consumed (others') or written (own)
     readers: int = 0  # reads and writes under way (the descriptors stay open)
     dead: bool = False  # deleted: close the fd when the last reader leaves
@@ -161,7 +163,7 @@ class _Segment:
 
     @property
     def disk_bytes(self) -> int:
-        return self.data_bytes + self.idx_bytes
+        return self.data_bytes - self.holes + self.idx_bytes
 
 
 class _Slot:
@@ -466,6 +468,7 @@ class ChunkCache:
                 seg = self._active = self._new_locked()
             slot = _Slot(seg, seg.data_bytes)
             seg.data_bytes += CHUNK_SIZE
+            seg.pending += CHUNK_SIZE
             seg.readers += 1  # keeps the descriptors open until the write
             return slot
 
@@ -483,8 +486,11 @@ class ChunkCache:
         seg, slot.seg = slot.seg, None
         if seg is None:
             return None
+        seg.pending -= CHUNK_SIZE
         if seg.data_bytes == slot.off + CHUNK_SIZE:
             seg.data_bytes = slot.off + used
+        else:  # a hole in the file, which takes no disk blocks
+            seg.holes += CHUNK_SIZE - used
         if not used:
             self.stats["unused_slots"] += 1
         if used and not seg.dead and (seg.idx_fd >= 0 or seg.fd < 0):  # open, or not made yet
@@ -735,7 +741,10 @@ class ChunkCache:
         would leave too little free)."""
         total = sum(s.disk_bytes for s in self._segments.values())
         disk = self._disk_room()
-        short = 0 if disk is None else room - disk  # bytes the disk lacks
+        # Bytes the disk lacks, counting those promised to slots of the
+        # segments there (fetches under way), which statvfs cannot see yet.
+        promised = sum(s.pending for s in self._segments.values())
+        short = 0 if disk is None else room + promised - disk
         for name in sorted(self._segments):
             if total + room <= self.size_limit and short <= 0:
                 break
