@@ -429,8 +429,8 @@ class Fetcher:
                         else:
                             nursery.start_soon(one, flight)
                 finally:  # cancelled: give back the places not used
-                    for slot in slots:
-                        if slot is not None and cache is not None:
+                    if cache is not None:
+                        for slot in slots:
                             cache.release(slot)
         if progress.failed:
             raise FetchError("%d of %d chunks could not be fetched (%s)"
