@@ -35,6 +35,15 @@ def files(d, suffix):
     return sorted(n for n in os.listdir(segdir(d)) if n.endswith(suffix))
 
 
+def segments(d) -> list[bytes]:
+    """The bytes of every segment file, oldest first."""
+    out = []
+    for name in files(d, ".seg"):
+        with open(os.path.join(segdir(d), name), "rb") as f:
+            out.append(f.read())
+    return out
+
+
 def test_put_get_and_persistence(tmp_path):
     items = chunks(20) + chunks(3, seed=1, size=1000)
     c = ChunkCache(str(tmp_path), 1 << 30)
@@ -402,8 +411,9 @@ def test_a_removed_cache_directory_is_made_again(tmp_path, monkeypatch, caplog):
 def test_reserved_slots_lay_chunks_out_in_the_order_fetches_started(tmp_path):
     """Chunks whose fetches started in file order land back to back in that
     order, whatever order their bytes arrive in (here reversed, from several
-    threads), so that one mapped view serves them; reserving does no I/O (a
-    segment's files appear at its first write)."""
+    threads), so that a later read request of them is one run of the
+    segment; reserving does no I/O (a segment's files appear at its first
+    write)."""
     items = chunks(12, seed=20) + chunks(1, seed=21, size=1000)
     fps = [fp for fp, _ in items]
     lengths = [len(d) for _, d in items]
@@ -419,24 +429,15 @@ def test_reserved_slots_lay_chunks_out_in_the_order_fetches_started(tmp_path):
     for t in threads:
         t.join(10)
     assert len(files(tmp_path, ".seg")) == 1 and c.stats["puts"] == 13
-    view = c.view(fps, lengths)
-    assert view is not None and view.readonly and bytes(view) == whole
-    assert c.stats["mapped_hits"] == 13
-    assert bytes(c.view(fps[3:7], lengths[3:7])) == whole[3 * CHUNK_SIZE : 7 * CHUNK_SIZE]
-    # Not back to back in the order asked, a length that differs, a chunk
-    # not cached: no view (the caller copies them with read_into).
-    other = chunks(1, seed=22)[0][0]
-    assert c.view([fps[0], fps[2]], [CHUNK_SIZE] * 2) is None
-    assert c.view([fps[1], fps[0]], [CHUNK_SIZE] * 2) is None
-    assert c.view(fps[11:], [CHUNK_SIZE, CHUNK_SIZE]) is None
-    assert c.view([fps[0], other], [CHUNK_SIZE] * 2) is None
+    assert segments(tmp_path) == [whole]
+    bufs = [bytearray(n) for n in lengths]
+    assert c.read_into(fps, [memoryview(b) for b in bufs]) == [True] * 13 and b"".join(bufs) == whole
     # The short last chunk's slot was the segment's end: it shrank to fit.
     assert c.describe()["bytes"] == len(whole) + 13 * RECORD.size
     # The layout is what another process (or the next mount) finds.
     c.close()
-    assert bytes(view) == whole  # a view outlives the cache that made it
     d = ChunkCache(str(tmp_path), 1 << 30)
-    assert bytes(d.view(fps, lengths)) == whole
+    assert [d.get(fp) for fp in fps] == [data for _, data in items]
     d.close()
 
 
@@ -457,10 +458,12 @@ def test_slots_given_back_fetches_that_failed_and_segments_that_fill(tmp_path, m
             c.put(*items[k], slots[k])
     assert c.stats["unused_slots"] == 1 and len(files(tmp_path, ".seg")) == 3
     assert c.get(fps[5]) is None and not c.has(fps[5])
-    assert c.view(fps[4:7], [CHUNK_SIZE] * 3) is None  # the hole breaks the run
-    assert [bytes(c.view(fps[a:b], [CHUNK_SIZE] * (b - a))) for a, b in ((0, 5), (6, 16), (16, 32), (32, 40))] == [
-        b"".join(d for _, d in items[a:b]) for a, b in ((0, 5), (6, 16), (16, 32), (32, 40))]
-    assert c.view(fps[15:17], [CHUNK_SIZE] * 2) is None  # two segments
+
+    def body(a, b):
+        return b"".join(d for _, d in items[a:b])
+
+    hole = bytes(CHUNK_SIZE)  # never written: reads as zeros, takes no disk blocks
+    assert segments(tmp_path) == [body(0, 5) + hole + body(6, 16), body(16, 32), body(32, 40)]
     # The last slot given back: the segment ends where it did.
     before = c.describe()["bytes"]
     c.release(c.reserve())
@@ -482,26 +485,23 @@ def test_slots_given_back_fetches_that_failed_and_segments_that_fill(tmp_path, m
     c.close()
 
 
-def test_a_damaged_chunk_is_never_served_through_a_view(tmp_path):
-    """A byte flipped on disk inside a mapped run: no view of any range that
-    holds it (the caller's copying read then drops the chunk, logged); the
-    runs beside it are still served mapped."""
+def test_a_damaged_chunk_in_a_run_is_dropped_alone(tmp_path):
+    """A byte flipped on disk inside a run of chunks read with one system
+    call: that chunk is a miss, dropped from the index (logged); the chunks
+    around it in the same read are served."""
     items = chunks(6, seed=26)
     fps = [fp for fp, _ in items]
     c = ChunkCache(str(tmp_path), 1 << 30)
     for fp, data in items:
         c.put(fp, data, c.reserve())
-    assert c.view(fps, [CHUNK_SIZE] * 6) is not None
     seg = os.path.join(segdir(tmp_path), files(tmp_path, ".seg")[0])
     with open(seg, "r+b") as f:  # another writer than the cache: a bad disk, a stray tool
         f.seek(2 * CHUNK_SIZE + 5)
         b = f.read(1)
         f.seek(2 * CHUNK_SIZE + 5)
         f.write(bytes([b[0] ^ 0x01]))
-    assert c.view(fps, [CHUNK_SIZE] * 6) is None
-    assert c.view(fps[2:3], [CHUNK_SIZE]) is None
-    assert bytes(c.view(fps[3:], [CHUNK_SIZE] * 3)) == b"".join(d for _, d in items[3:])
     bufs = [bytearray(CHUNK_SIZE) for _ in items]
     assert c.read_into(fps, [memoryview(b) for b in bufs]) == [True, True, False, True, True, True]
+    assert [bytes(b) for k, b in enumerate(bufs) if k != 2] == [d for k, (_, d) in enumerate(items) if k != 2]
     assert c.stats["corrupt"] == 1 and not c.has(fps[2])
     c.close()

@@ -18,11 +18,10 @@ metadata lookup per 64 KiB and measured 4-5 times slower (docs/READER.md).
 Chunks land in the order their fetches *started*, not the order they arrived:
 the fetcher takes a `_Slot` (the next 64 KiB of the segment being written)
 when it starts a fetch, in the trio thread, and the bytes go there when they
-come. Fetches started for a sequential read are in file order, so the chunks
-of one read request lie back to back in file order, and a later read of them
-is one mapped range (`view`): the kernel copies the reply straight from the
-segment's pages, with no copy into a buffer of ours (a warm read's largest
-cost after the disk). A slot left unused (the fetch failed) is a hole.
+come. Fetches started for a sequential read are in file order, so a later
+sequential read finds them in file order in the segment too, and the kernel
+reads them ahead as one run (`read_into` coalesces a request's chunks into
+one system call). A slot left unused (the fetch failed) is a hole.
 
 Layout of the directory (``FORMAT_DIR``)::
 
@@ -59,7 +58,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import secrets
 import struct
@@ -117,12 +115,6 @@ WRITE_PAUSE_S = 10.0
 # full disk stays full for hours, and one line every few minutes says so.
 PAUSE_WARN_INTERVAL_S = 300.0
 
-# madvise(2) advice that maps a range's pages and reads those not in memory,
-# returning an error where touching them would raise SIGBUS (Linux 5.14+;
-# Python 3.11's mmap module does not name it: the value of the kernel's
-# uapi/asm-generic/mman-common.h).
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-
 # How often a miss may rescan the directory for segments that other
 # processes sharing the directory wrote or deleted. A rescan is a listdir and
 # one fstat per segment; once a second costs nothing next to a GET.
@@ -159,7 +151,6 @@ class _Segment:
     readers: int = 0  # reads and writes under way (the descriptors stay open)
     dead: bool = False  # deleted: close the fd when the last reader leaves
     fps: list = field(default_factory=list)  # every fingerprint recorded here
-    map: mmap.mmap | None = None  # the file mapped read-only (`ChunkCache.view`), once asked for
 
     @property
     def disk_bytes(self) -> int:
@@ -197,9 +188,8 @@ class ChunkCache:
         self._last_pause_warning = -PAUSE_WARN_INTERVAL_S
         self.stats = dict.fromkeys(
             ("hits", "misses", "corrupt", "puts", "evicted_segments", "rescans", "write_pauses", "puts_skipped",
-             "mapped_hits", "unused_slots"), 0
+             "unused_slots"), 0
         )
-        self._views = True  # False once the kernel cannot populate mappings
         self.segment_bytes = self._segment_size(size_limit)
         # What the cache can hold: size_limit, or less when its disk is smaller
         # (as measured at start; the disk is checked again at every segment).
@@ -227,66 +217,6 @@ class ChunkCache:
         return max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, limit // SEGMENTS_PER_CACHE))
 
     # ----------------------------------------------------------------- reads
-    def view(self, fps: list[Fprint], lengths: list[int]) -> memoryview | None:
-        """The verified bytes of these chunks, one after the other, as a
-        read-only view of the mapped segment that holds them back to back in
-        this order (as `reserve` lays out a sequential read's chunks); None
-        when they are not so stored, or not all verified, or the mapping
-        cannot be read (the caller then reads them with `read_into`, which
-        reports what is wrong).
-
-        Every page is mapped and read first (``MADV_POPULATE_READ``: a disk
-        error is an error here, not a SIGBUS on touching the page), then
-        every chunk is checked against its fingerprint. The view stays
-        valid after the segment is evicted (the mapping keeps the file);
-        segments are only ever appended to, never truncated or rewritten,
-        so the bytes checked are the bytes the caller gets."""
-        if not self._views:
-            return None
-        index = self._index
-        loc = index.get(fps[0])
-        if loc is None:
-            return None
-        seg, start, _ = loc
-        end = start
-        for fp, length in zip(fps, lengths):
-            loc = index.get(fp)
-            if loc is None or loc[0] is not seg or loc[1] != end or loc[2] != length:
-                return None
-            end += length
-        with self._lock:
-            m = seg.map
-            if m is None or len(m) < end:
-                if seg.dead:
-                    return None
-                try:
-                    fd = self._read_fd_locked(seg)
-                    size = os.fstat(fd).st_size
-                    if size < end:
-                        return None
-                    m = seg.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-                except (OSError, ValueError) as e:
-                    log.debug("cannot map cache segment %s: %s", seg.name, e)
-                    return None
-        page = start - start % mmap.PAGESIZE
-        try:
-            m.madvise(MADV_POPULATE_READ, page, end - page)
-        except OSError as e:
-            if e.errno == errno.EINVAL:  # a kernel before 5.14: never map again
-                log.debug("no MADV_POPULATE_READ here (%s): cache reads copy", e)
-                self._views = False
-            return None
-        data = memoryview(m)[start:end]
-        at = 0
-        for fp, length in zip(fps, lengths):
-            if fingerprint(data[at : at + length]) != fp:
-                return None
-            at += length
-        with self._lock:
-            self.stats["hits"] += len(fps)
-            self.stats["mapped_hits"] += len(fps)
-        return data
-
     def get(self, fp: Fprint) -> bytes | None:
         """The chunk's verified bytes, or None (not cached, or damaged)."""
         with self._lock:
@@ -792,7 +722,6 @@ class ChunkCache:
 
     @staticmethod
     def _close_fds(seg: _Segment) -> None:
-        seg.map = None  # unmapped once the last view of it is released
         for attr in ("fd", "idx_fd"):
             fd = getattr(seg, attr)
             if fd >= 0:

@@ -13,8 +13,8 @@ backoff, a per-attempt timeout, then ``FetchError``). Bundled chunks and the
 zero chunk never get here: replicas serve them directly. A flight takes its
 chunk's place in the disk cache when it starts (`ChunkCache.reserve`), so
 that chunks fetched in file order are stored in file order, whatever order
-their GETs end in, and a later read request of them is one mapped range
-(`read_view`).
+their GETs end in, and a later read request of them is one run of the
+segment (`read_into`).
 
 Prefetches use the same flights, but wait for one of a smaller number of
 prefetch slots, so demand reads always find store capacity; a demand read
@@ -130,7 +130,6 @@ class Fetcher:
                 "prefetch_skipped",  # in memory or under way
                 "prefetch_advised",  # in the disk cache: kernel readahead asked
                 "disk_hits_inline",  # served from the page cache without a thread
-                "disk_hits_mapped",  # of which from a mapped segment, without a copy
                 "prefetch_dropped",  # too many prefetches under way
                 "prefetch_fetched",  # downloaded by a prefetch
                 "prefetch_hits",  # demand served by a prefetched chunk
@@ -235,30 +234,6 @@ class Fetcher:
         assert flight.data is not None
         self._used(fp)
         return flight.data
-
-    def read_view(self, fps: list[Fprint], lengths: list[int]) -> memoryview | None:
-        """The verified bytes of these chunks (one read request's, in file
-        order, ``lengths`` bytes each) as one view of the disk cache's mapped
-        segment, when it holds them back to back in that order (see
-        `ChunkCache.view`): the reply is then copied by the kernel from the
-        segment's pages, not through a buffer of ours. None otherwise (use
-        `read_into`). Blocks on the cache's disk for pages not in memory,
-        like `read_into`."""
-        cache = self.cache
-        if cache is None:
-            return None
-        view = cache.view(fps, lengths)
-        if view is None:
-            return None
-        n = len(fps)
-        stats = self.stats
-        stats["requests"] += n
-        stats["disk_hits"] += n
-        stats["disk_hits_inline"] += n
-        stats["disk_hits_mapped"] += n
-        for fp in fps:
-            self._used(fp)
-        return view
 
     async def read_into(self, fps: list[Fprint], dests: list[memoryview]) -> None:
         """Fill ``dests[k]`` (a writable view of the chunk's length) with the

@@ -193,27 +193,15 @@ class Replica:
                 data = await self._chunk_waiting(first)
             # A view, not a copy: pyfuse3 copies it into the reply.
             return memoryview(data)[off - base : end - base]
-        # Several chunks (the kernel's readahead asks for up to 1 MiB). When
-        # the disk cache holds them back to back, reply with a view of its
-        # mapped segment: the kernel copies the reply from there.
-        chunks = self.manifest.chunks
-        fps = chunks[first : last + 1]
-        if self._local.keys().isdisjoint(fps) and ZERO_CHUNK_FPRINT not in fps:
-            lengths = [CHUNK_SIZE] * (last - first) + [self.manifest.chunk_length(last)]
-            mapped = self.fetcher.read_view(fps, lengths)
-            if mapped is not None:
-                if self._btree is not None:
-                    for i in range(first, last + 1):
-                        at = (i - first) * CHUNK_SIZE
-                        self._note(i, mapped[at : at + lengths[i - first]])
-                return mapped[off - base : end - base]
-        # Else read them into one buffer, the cached ones straight from the
-        # disk cache's segments (`Fetcher.read_into`), and reply with a view of it.
+        # Several chunks (the kernel's readahead asks for up to 1 MiB): read
+        # them into one buffer, the cached ones straight from the disk
+        # cache's segments (`Fetcher.read_into`), and reply with a view of it.
         buf = bytearray((last - first) * CHUNK_SIZE + self.manifest.chunk_length(last))
         view = memoryview(buf)
-        wanted: list[Fprint] = []
+        fps: list[Fprint] = []
         dests: list[memoryview] = []
         indices: list[int] = []
+        chunks = self.manifest.chunks
         for i in range(first, last + 1):
             fp = chunks[i]
             at = (i - first) * CHUNK_SIZE
@@ -223,11 +211,11 @@ class Replica:
             if data is not None:
                 view[at : at + len(data)] = data
                 continue
-            wanted.append(fp)
+            fps.append(fp)
             dests.append(view[at : at + self.manifest.chunk_length(i)])
             indices.append(i)
-        if wanted:
-            await self.fetcher.read_into(wanted, dests)
+        if fps:
+            await self.fetcher.read_into(fps, dests)
             if self._btree is not None:
                 for i, dest in zip(indices, dests):
                     self._note(i, dest)
