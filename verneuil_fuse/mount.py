@@ -65,7 +65,7 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
                           disk cache, in chunks: no GET, the kernel is advised
                           to read them from the cache's files (many reads in
                           flight); 0 leaves that to the kernel's own readahead
-                          of those files (fewer, larger reads) (default 256)
+                          of those files (fewer, larger reads) (default 0)
   btree_prefetch=on|off   B-tree-aware prefetch of the sibling pages a scan
                           reads next (default on)
   btree_max=N             largest B-tree prefetch window, in chunks (default 32)
@@ -138,7 +138,7 @@ class Options:
     refresh: float = 10.0
     readahead: bool = True
     readahead_max: int = 32
-    cache_readahead_max: int = 256
+    cache_readahead_max: int = 0
     btree_prefetch: bool = True
     btree_max: int = 32
     concurrency: int = 16

@@ -46,13 +46,16 @@ class PrefetchConfig:
     # Chunks already in the disk cache cost no GET: up to this many ahead of
     # a sequential read (and those the b-tree prefetch predicts) the kernel
     # is advised (fadvise WILLNEED) to read them from the cache's segment
-    # files, many reads in flight. 0 leaves it to the kernel's own readahead
-    # of the segments: fewer, larger reads, one or two in flight. Measured
-    # here on a warm scan of 475 MiB (docs/READER.md): with a cache just
-    # written, whose reads go to the disk, 256 took 0.63 s and 0 took 0.94 s;
-    # with one the VM's host had cached, 0 took 0.45 s and 256 0.70 s. The
-    # disk is the common case, so 256 chunks (16 MiB).
-    cache_readahead_max: int = 256  # chunks (16 MiB)
+    # files, many reads in flight. 0 (the default) leaves it to the kernel's
+    # own readahead of the segments: fewer, larger reads. Since the cache lays
+    # a sequential read's chunks out in file order (session 11), the kernel's
+    # readahead follows them, in large folios, where the advice reads page by
+    # page in a thread of ours: a warm SQL scan of 475 MiB from a cache the
+    # VM's host holds took 0.37 s with 0 and 0.56 s with 256 (the mount's CPU
+    # 0.27 against 0.43 s; 0.38 against 0.62 s with the disk's readahead at
+    # 128 KiB, 0.40 against 0.57 s over a cache laid out the old way), and
+    # from a cache just written 0.95 against 0.98 s at 1 GiB (docs/READER.md).
+    cache_readahead_max: int = 0  # chunks
 
 
 @dataclass
