@@ -11,9 +11,9 @@ served, and the fetcher skips chunks already cached or under way):
 - sequential readahead per open handle (`Cursor`): once reads in file order
   have entered two new chunks, fetch the next chunks ahead; the window doubles on every sequential
   read up to ``readahead_max`` chunks and drops to nothing on a random read;
-  chunks already in the disk cache cost no GET and have a wider window
-  (``cache_readahead_max``), in which they are only advised to the kernel
-  (0: left to the kernel's readahead of the cache's files);
+  chunks already in the disk cache cost no GET and are left to the kernel's
+  readahead of the cache's files, or, with ``cache_readahead_max`` set, are
+  advised to the kernel in a wider window of their own;
 - b-tree readahead per replica: every chunk read on demand is parsed for
   interior b-tree pages (`btree.py`), which gives each child page its parent
   (its position among the siblings is looked up when it is read). When reads go from one child to the next of the same parent
