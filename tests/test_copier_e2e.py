@@ -161,9 +161,9 @@ class CachingStore:
         self._store = store
         self._cache = {}
 
-    def get(self, key):
+    def get(self, key, max_bytes=None):
         if key not in self._cache:
-            self._cache[key] = self._store.chunks.get(key)
+            self._cache[key] = self._store.chunks.get(key, max_bytes)
         return self._cache[key]
 
     def describe(self):

@@ -11,7 +11,7 @@ server and checks the promises of docs/GUARANTEES.md:
 - retries are bounded: against a store that always fails, one pass makes a
   bounded number of HTTP requests and `flush` gives up at its deadline;
 - `verneuilctl restore` writes the right file or none;
-- mount reads return the right bytes or EIO, never wrong bytes, a chunk that
+- mount reads return the right bytes or EREMOTEIO, never wrong bytes, a chunk that
   always fails costs a bounded number of GETs, and everything reads right
   (new versions too) once the faults stop.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import sqlite3
 import time
 
 import pytest
@@ -31,6 +32,7 @@ from faultproxy import KINDS, FaultProxy
 from replicas import HOST, Mount, fuse_unavailable, make_db, publish, wait_for
 from test_copier_support import Writer, counter_of, vfs_available
 from verneuil_fuse import format as fmt
+from verneuil_fuse.fetcher import FAILED_CHUNK_TTL, HOLD_SECONDS
 from verneuil_fuse.copier import Backoff, Copier, start_background
 from verneuil_fuse.store import StoreError, TransientError, open_store
 
@@ -300,7 +302,7 @@ def _fresh_pread(fd: int, size: int, off: int) -> bytes:
 @pytest.mark.fuse
 @pytest.mark.slow
 def test_mount_right_bytes_or_eio_and_converges(fenv):
-    """Random reads under every fault: right bytes or EIO, never wrong bytes;
+    """Random reads under every fault: right bytes or EREMOTEIO, never wrong bytes;
     a chunk that always fails costs a bounded number of GETs; after the
     faults stop every byte reads right and a version published meanwhile
     shows up."""
@@ -339,7 +341,7 @@ def test_mount_right_bytes_or_eio_and_converges(fenv):
             try:
                 got = _fresh_pread(fds[w], size, off)
             except OSError as e:
-                assert e.errno == errno.EIO, e
+                assert e.errno == errno.EREMOTEIO, e
                 eio += 1
                 continue
             want = data[off:off + size]
@@ -355,18 +357,19 @@ def test_mount_right_bytes_or_eio_and_converges(fenv):
             ok += 1
         faulted = fenv.proxy.count(faulted=True)
         assert faulted >= 10 and ok >= 10 and eio >= 1, (faulted, ok, eio)
-        # 2. A chunk that always fails: EIO after a bounded number of GETs.
+        # 2. A chunk that always fails: EREMOTEIO after a bounded number of GETs.
         fenv.proxy.clear()
         w = "/%s/data/a.db" % HOST
         fp = fmt.snapshot_of(sources[w])[0].chunks[3]
         fenv.proxy.reset_counts()
         fenv.proxy.set_faults(1.0, ["503", "reset", "short_body"], seed=1,
                               match=lambda r: fp.name in r.key)
+        time.sleep(HOLD_SECONDS + 0.5)  # a chunk read in part 1 is no longer held in memory
         start = time.monotonic()
         log_offset = os.path.getsize(log_path)
         with pytest.raises(OSError) as err:
             _fresh_pread(fds[w], 4096, 3 * fmt.CHUNK_SIZE + 10)
-        assert err.value.errno == errno.EIO
+        assert err.value.errno == errno.EREMOTEIO
         gets = fenv.proxy.count(method="GET", path_contains=fp.name)
         # The kernel may retry a failed read once (readahead, then the page
         # itself): each FUSE read gives up after retries+1 fetcher attempts
@@ -398,6 +401,7 @@ def test_mount_right_bytes_or_eio_and_converges(fenv):
                 return False
 
         wait_for(sees_new, 30, "the new version of b.db")
+        time.sleep(FAILED_CHUNK_TTL)  # chunks given up on are tried again after this
         for w, data in sources.items():
             with open(m.path(w), "rb") as f:
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
@@ -407,6 +411,92 @@ def test_mount_right_bytes_or_eio_and_converges(fenv):
         assert "Traceback" not in open(log_path).read()
         print("mount under faults: %d right reads, %d short reads, %d EIO, %d faulted requests"
               % (ok, partial, eio, faulted))
+    finally:
+        fenv.proxy.clear()
+        m.stop()
+
+
+def _blob_db(path: str, rows: int, seed: int) -> None:
+    """64 KiB pages (one page per chunk) and large blobs (overflow chains)."""
+    rng = random.Random(seed)
+    con = sqlite3.connect(path)
+    con.execute("PRAGMA page_size=65536")
+    con.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, n INTEGER, b BLOB)")
+    con.executemany("INSERT INTO t VALUES (?, ?, ?)",
+                    [(i, rng.randrange(1000), rng.randbytes(rng.choice((300, 5000, 90000, 400000))))
+                     for i in range(rows)])
+    con.commit()
+    con.close()
+
+
+_QUERIES = (
+    "SELECT count(*), sum(n), sum(length(b)) FROM t",
+    "SELECT id, n, length(b), hex(substr(b, -16)) FROM t WHERE id = ?",
+    "SELECT sum(length(b)), max(hex(substr(b, 1000, 8))) FROM t WHERE id BETWEEN ? AND ? + 10",
+)
+
+
+@fuse_skip
+@pytest.mark.fuse
+@pytest.mark.slow
+def test_sqlite_on_a_failing_store_gets_right_results_or_io_errors(fenv):
+    """SQLite on the mount while the store fails, then stops answering: every
+    query gives the source's result or "disk I/O error", never "malformed"
+    and never a wrong result (a short read SQLite would zero-fill)."""
+    src = os.path.join(fenv.tmp, "blobs.db")
+    _blob_db(src, 120, seed=3)
+    data = open(src, "rb").read()
+    publish(fenv.direct, data, "/data/blobs.db")
+    con = sqlite3.connect(src)
+    rng = random.Random(11)
+    plan = []
+    for _ in range(400):
+        q = rng.choice(_QUERIES)
+        args = (rng.randrange(120),) if "?" in q else ()
+        args = args * q.count("?")
+        plan.append((q, args, con.execute(q, args).fetchall()))
+    con.close()
+    log_path = os.path.join(fenv.tmp, "mount.log")
+    m = Mount(fenv.url, os.path.join(fenv.tmp, "mnt"),
+              "cache_size=0,mem_cache=0,refresh=60,retries=1,timeout=1,deadline=2,"
+              "log_level=info,log_file=%s" % log_path)
+    m.start()
+    path = m.path(HOST, "data", "blobs.db")
+    uri = "file:%s?immutable=1" % path
+    counts = {"right": 0, "io": 0}
+    try:
+        phases = [(0.25, ["500", "corrupt", "cut_body", "short_body", "reset"]), (0.3, ["hang"]), (1.0, ["hang"])]
+        for at, (rate, kinds) in enumerate(phases):
+            fenv.proxy.set_faults(rate, kinds, seed=at, match=lambda r: r.method == "GET")
+            start = time.monotonic()
+            while time.monotonic() < start + 8:
+                q, args, want = plan[rng.randrange(len(plan))]
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # reads reach the mount
+                os.close(fd)
+                db = sqlite3.connect(uri, uri=True)
+                try:
+                    got = db.execute(q, args).fetchall()
+                except sqlite3.OperationalError as e:
+                    assert "disk I/O error" in str(e), e
+                    counts["io"] += 1
+                    continue
+                finally:
+                    db.close()
+                assert got == want, (q, args)
+                counts["right"] += 1
+        stats = m.stats()
+        assert stats["fetch"]["store"]["reachable"] is False
+        assert "unreachable or failing" in open(log_path).read()
+        fenv.proxy.clear()
+        time.sleep(FAILED_CHUNK_TTL)  # chunks given up on are tried again after this
+        db = sqlite3.connect(uri, uri=True)
+        for q, args, want in plan[:50]:
+            assert db.execute(q, args).fetchall() == want
+        db.close()
+        assert m.stats()["fetch"]["store"]["reachable"] is True
+        print("sqlite on a failing store: %(right)d right results, %(io)d I/O errors" % counts)
+        assert counts["right"] >= 5 and counts["io"] >= 3, counts
     finally:
         fenv.proxy.clear()
         m.stop()

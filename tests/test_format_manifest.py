@@ -285,3 +285,207 @@ def test_manifest_name_canonicalises_local_paths(tmp_path):
     link.symlink_to(real)
     assert fmt.manifest_name(str(link)) == fmt.manifest_name(str(real)) == \
         fmt.manifest_name(os.path.realpath(real), fmt.local_hostname())
+
+
+# --- the chunk list as a compact sequence ------------------------------------------
+
+def test_chunk_list_behaves_like_a_list_of_fprints():
+    fps = [fmt.Fprint(i * 0x9E3779B97F4A7C15 % (1 << 64), (i + 7) ** 5 % (1 << 64)) for i in range(6)]
+    chunks = fmt.ChunkList(fps)
+    assert len(chunks) == 6 and isinstance(chunks[0], fmt.Fprint)
+    assert chunks[0] == fps[0] and chunks[5] == fps[5]
+    assert chunks[-1] == fps[-1] and chunks[-6] == fps[0]
+    assert chunks[3].name == fps[3].name
+    for bad in (6, -7):
+        with pytest.raises(IndexError):
+            chunks[bad]
+    assert list(chunks) == fps and [fp for fp in chunks] == fps
+    assert chunks[1:4] == fps[1:4] and chunks[::-1] == fps[::-1]
+    assert chunks == fps and fps == chunks and chunks == tuple(fps)
+    assert chunks == fmt.ChunkList(fps) and chunks != fmt.ChunkList(fps[:-1])
+    assert chunks != fps[:-1] and chunks != fps[::-1]
+    assert fps[4] in chunks and tuple(fps[4]) in chunks
+    assert fmt.Fprint(fps[0].minor, fps[1].major) not in chunks  # words across two chunks
+    assert fmt.Fprint(fps[0].major, 12345) not in chunks and "x" not in chunks
+    assert chunks.index(fps[2]) == 2 and chunks.count(fps[2]) == 1
+    assert set(chunks) == set(fps) and dict(enumerate(chunks)) == dict(enumerate(fps))
+    assert len(chunks.words) == 12 and chunks.words.itemsize == 8
+    assert fmt.words_of(chunks) == fmt.words_of(fps) == struct.pack("<12Q", *[w for fp in fps for w in fp])
+    assert fmt.contents_fprint_of(chunks) == fmt.contents_fprint_of(fps)
+    assert fmt.ChunkList.from_words(chunks.words) == chunks
+    with pytest.raises(ValueError):
+        fmt.ChunkList.from_words([1, 2, 3])
+    import pickle
+    assert pickle.loads(pickle.dumps(chunks)) == chunks
+    empty = fmt.ChunkList()
+    assert len(empty) == 0 and list(empty) == [] and empty == []
+
+
+def test_manifest_chunks_is_a_chunk_list():
+    m, blobs, data = _good()
+    assert isinstance(m.chunks, fmt.ChunkList)  # converted from the writer's list
+    got = fmt.decode_and_validate(fmt.encode_manifest(m))
+    assert isinstance(got.chunks, fmt.ChunkList) and got.chunks == m.chunks and got == m
+    # A manifest may still be built with, or given, a plain list.
+    listed = fmt.Manifest(**{**m.__dict__, "chunks": list(m.chunks)})
+    assert listed == m and fmt.encode_manifest(listed) == fmt.encode_manifest(m)
+    listed.chunks = list(m.chunks)
+    assert fmt.encode_manifest(listed) == fmt.encode_manifest(m)
+
+
+def test_million_chunk_manifest_is_compact():
+    """64 GiB of zero chunks (the default size limit): decodes fast (timing
+    printed, not asserted) and holds 16 bytes per chunk."""
+    import time
+    n = fmt.DEFAULT_MAX_DB_SIZE // CS
+    chunks = fmt.ChunkList.from_words(list(fmt.ZERO_CHUNK_FPRINT) * n)
+    m = fmt.Manifest(len=n * CS, chunks=chunks, header_fprint=fmt.Fprint(1, 2),
+                     contents_fprint=fmt.contents_fprint_of(chunks))
+    blob = fmt.compress_manifest(fmt.encode_manifest(m))
+    start = time.perf_counter()
+    got = fmt.decode_and_validate(blob)
+    print("decoded %d chunks in %.3f s" % (n, time.perf_counter() - start))
+    assert len(got.chunks) == n and got.chunks[-1] == fmt.ZERO_CHUNK_FPRINT
+    assert got.chunks.words.itemsize * len(got.chunks.words) == 16 * n
+    assert len(fmt.encode_manifest(got)) <= fmt.manifest_blob_limit(fmt.DEFAULT_MAX_DB_SIZE)
+    # One byte more than the limit allows is one chunk too many.
+    with pytest.raises(fmt.ManifestError) as e:
+        fmt.decode_and_validate(blob, max_db_size=n * CS - 1)
+    assert e.value.rule == "size-limit"
+
+
+# --- size limits -------------------------------------------------------------------
+
+def test_size_limit_constants():
+    assert fmt.DEFAULT_MAX_DB_SIZE == 64 << 30
+    assert fmt.MAX_CHUNK_BLOB_BYTES >= 65536 + 256 + 32  # ZSTD_COMPRESSBOUND(64 KiB)
+    assert fmt.MAX_CHUNK_BLOB_BYTES <= 2 * CS
+    limit = fmt.manifest_blob_limit(fmt.DEFAULT_MAX_DB_SIZE)
+    assert 16 << 20 < limit < 24 << 20  # 16 MiB of chunk list, room for bundled chunks
+    assert fmt.manifest_blob_limit(1 << 40) < fmt.MAX_MANIFEST_BYTES
+    assert fmt.manifest_blob_limit(1 << 50) == fmt.MAX_MANIFEST_BYTES
+    assert fmt.manifest_blob_limit(0) < fmt.manifest_blob_limit(CS) < limit
+    with pytest.raises(ValueError):
+        fmt.manifest_blob_limit(-1)
+
+
+def zstd_bomb(n_chunks: int, *, declare_size: bool = False) -> bytes:
+    """A manifest that declares `n_chunks` chunks of zeros (len and
+    contents_fprint consistent, so only a size rule can stop it), as a small
+    zstd frame.  Built from a chunk-less message plus the chunks field: the
+    parser merges the two ManifestV1 pieces."""
+    zeros = bytes(16 * n_chunks)  # calloc'd zero pages: nothing resident
+    top = manifest_pb2.Manifest()
+    top.v1.header_fprint.major, top.v1.header_fprint.minor = 1, 2
+    top.v1.contents_fprint.major, top.v1.contents_fprint.minor = fmt.fingerprint(
+        zeros, fmt.DIRECTORY_KEY)
+    top.v1.len = n_chunks * CS
+    field = b"\x7a" + _varint(len(zeros))
+    head = top.SerializeToString() + b"\x0a" + _varint(len(field) + len(zeros)) + field
+    cctx = zstandard.ZstdCompressor(level=3)
+    w = cctx.compressobj(size=len(head) + len(zeros) if declare_size else -1)
+    parts = [w.compress(head)]
+    view = memoryview(zeros)
+    for off in range(0, len(zeros), 1 << 24):
+        parts.append(w.compress(view[off:off + (1 << 24)]))
+    parts.append(w.flush())
+    return b"".join(parts)
+
+
+def test_zstd_bomb_is_still_a_valid_manifest_below_any_limit():
+    """The bomb builder makes real manifests: a small one decodes."""
+    m = fmt.decode_and_validate(zstd_bomb(100))
+    assert len(m.chunks) == 100 and m.len == 100 * CS and m.chunks[7] == fmt.Fprint(0, 0)
+
+
+@pytest.mark.parametrize("declare_size", [False, True], ids=["streamed", "declared"])
+def test_zstd_bomb_refused_fast_and_small(declare_size):
+    """25 million zero chunks (a 1.5 TiB database, 400 MB of chunk list) in a
+    small frame: refused with size-limit without decompressing it all."""
+    import time
+    import tracemalloc
+    bomb = zstd_bomb(25_000_000, declare_size=declare_size)
+    assert len(bomb) < 200_000
+    assert (zstandard.get_frame_parameters(bomb).content_size
+            != zstandard.CONTENTSIZE_UNKNOWN) == declare_size
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(fmt.ManifestError) as e:
+            fmt.decode_and_validate(bomb)
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    print("bomb of %d bytes refused in %.3f s, traced peak %.1f MiB"
+          % (len(bomb), elapsed, peak / 2**20))
+    assert e.value.rule == "size-limit", str(e.value)
+    assert "max_db_size" in str(e.value) and "64 GiB" in str(e.value)
+    assert peak < 40 << 20  # the 18 MiB limit, never the 400 MB
+    assert elapsed < 10  # generous: milliseconds on an idle machine
+
+
+def test_manifest_just_under_a_small_max_db_size_decodes():
+    data = db_bytes(3, 500)
+    m, blobs = fmt.snapshot_of(data)
+    for blob in (fmt.encode_manifest(m), fmt.compress_manifest(fmt.encode_manifest(m))):
+        got = fmt.decode_and_validate(blob, max_db_size=len(data))
+        assert got == m and rebuild(got, blobs) == data
+        _refused(blob, "size-limit", max_db_size=len(data) - 1)
+
+
+def test_len_over_max_db_size_refused():
+    """A consistent chunk list of 10 zero chunks, for a limit of 5 chunks."""
+    chunks = [fmt.ZERO_CHUNK_FPRINT] * 10
+    m = fmt.Manifest(len=10 * CS, chunks=chunks, header_fprint=fmt.Fprint(1, 2),
+                     contents_fprint=fmt.contents_fprint_of(chunks))
+    blob = fmt.encode_manifest(m)
+    assert fmt.decode_and_validate(blob, max_db_size=10 * CS) == m
+    with pytest.raises(fmt.ManifestError) as e:
+        fmt.decode_and_validate(blob, max_db_size=5 * CS)
+    assert e.value.rule == "size-limit"
+    text = str(e.value)
+    assert "640 KiB" in text and "320 KiB" in text and "max_db_size" in text and "configurable" in text
+
+
+def test_huge_len_refused_before_any_chunk_work():
+    """A len of 2^60 with one chunk: size-limit, not a length or fingerprint
+    complaint; and a chunk count that contradicts len is refused as such
+    before the chunk list is fingerprinted."""
+    m, _, _ = _good()
+    top = _pb(m)
+    top.v1.len = 1 << 60
+    _refused(top.SerializeToString(), "size-limit")
+    top = _pb(m)
+    top.v1.len = 1 * CS
+    top.v1.contents_fprint.major ^= 1  # wrong too, but the count is checked first
+    _refused(top.SerializeToString(), "length")
+
+
+def test_over_long_raw_blob_refused_before_parsing():
+    limit = fmt.manifest_blob_limit(4 * CS)
+    junk = b"\xff" * (limit + 1)  # not protobuf at all: the size rule comes first
+    _refused(junk, "size-limit", max_db_size=4 * CS)
+    _refused(junk[:limit], "protobuf", max_db_size=4 * CS)
+    frame = zstandard.ZstdCompressor(level=1).compress(bytes(limit + 1))
+    _refused(frame, "size-limit", max_db_size=4 * CS)  # declared size, then output size
+
+
+def test_decode_chunk_bounds():
+    data = os.urandom(CS)
+    fp = fmt.fingerprint(data)
+    frame = fmt.compress_chunk(data)
+    assert len(frame) <= fmt.MAX_CHUNK_BLOB_BYTES
+    assert fmt.decode_chunk(frame + b"trailing", fp) == data  # bytes after the frame: ignored
+    big = zstandard.ZstdCompressor().compress(data + b"x")  # declares 64 KiB + 1
+    with pytest.raises(fmt.ChunkError):
+        fmt.decode_chunk(big, fmt.fingerprint(data + b"x"))
+    w = zstandard.ZstdCompressor().compressobj()  # no declared size: stops at the bound
+    streamed = w.compress(bytes(10 * CS)) + w.flush()
+    with pytest.raises(fmt.ChunkError):
+        fmt.decode_chunk(streamed, fmt.fingerprint(bytes(10 * CS)))
+    w = zstandard.ZstdCompressor().compressobj()
+    ok = w.compress(data) + w.flush()
+    assert fmt.decode_chunk(ok, fp) == data
+    with pytest.raises(fmt.ChunkError):
+        fmt.decode_chunk(ok[:-3], fp)  # a cut frame

@@ -25,7 +25,7 @@ class Faulty:
         self.fail: dict[str, list] = {}  # key -> exceptions (or b"bytes") to use first
         self.lock = threading.Lock()
 
-    def get(self, key):
+    def get(self, key, max_bytes=None):
         with self.lock:
             self.gets.append(key)
             todo = self.fail.get(key)
@@ -38,7 +38,7 @@ class Faulty:
             time.sleep(action)
         if isinstance(action, bytes):
             return action
-        return self.inner.get(key)
+        return self.inner.get(key, max_bytes)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

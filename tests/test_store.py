@@ -22,6 +22,7 @@ from verneuil_fuse.store import (
     ObjectInfo,
     Store,
     StoreError,
+    TooLarge,
     TransientError,
     open_store,
     parse_config,
@@ -227,6 +228,172 @@ def test_unversioned_bucket_versions(any_store):
     versions = c.list_versions(CHUNK)
     assert [(v.version_id, v.is_latest, v.size) for v in versions] == [("null", True, 1)]
     assert c.get_version(CHUNK, "null") == b"b"
+
+
+# -- bounded reads (max_bytes) --------------------------------------------------
+
+
+def test_get_max_bytes(any_store):
+    c = any_store.chunks
+    blob = bytes(range(256)) * 4  # 1024 bytes
+    c.put(CHUNK, blob)
+    assert c.get(CHUNK, max_bytes=1024) == blob  # at the bound
+    assert c.get(CHUNK, max_bytes=1 << 20) == blob
+    assert c.get(CHUNK, None) == blob
+    with pytest.raises(TooLarge) as e:
+        c.get(CHUNK, max_bytes=1023)  # one byte over
+    err = e.value
+    assert isinstance(err, StoreError) and not isinstance(err, TransientError)
+    assert err.key == CHUNK and err.size == 1024 and err.bound == 1023
+    assert CHUNK in str(err) and "1024" in str(err) and "1023" in str(err)
+    c.put(CHUNK + "0", b"")
+    assert c.get(CHUNK + "0", max_bytes=0) == b""
+    with pytest.raises(TooLarge):
+        c.get(CHUNK, max_bytes=0)
+    with pytest.raises(NotFound):
+        c.get(CHUNK + "1", max_bytes=10)
+    with pytest.raises(ValueError):
+        c.get(CHUNK, max_bytes=-1)
+
+
+def test_get_version_max_bytes(any_store):
+    m = any_store.manifests
+    m.put(MANIFEST, b"old version, longer")
+    m.put(MANIFEST, b"new version")
+    versions = m.list_versions(MANIFEST)
+    latest = versions[0].version_id
+    assert m.get_version(MANIFEST, latest, max_bytes=11) == b"new version"
+    with pytest.raises(TooLarge) as e:
+        m.get_version(MANIFEST, latest, max_bytes=10)
+    assert e.value.size == 11 and e.value.bound == 10 and MANIFEST in str(e.value)
+    if s3_only(any_store):
+        old = versions[1].version_id
+        assert m.get_version(MANIFEST, old, max_bytes=19) == b"old version, longer"
+        with pytest.raises(TooLarge):
+            m.get_version(MANIFEST, old, max_bytes=18)
+    with pytest.raises(NotFound):
+        m.get_version(MANIFEST, "no-such-version-id", max_bytes=10)
+
+
+def test_local_get_never_reads_past_the_bound(tmp_path, monkeypatch):
+    """A file that grows between fstat and read (here: fstat reports less)
+    is still refused, after reading at most max_bytes + 1 bytes."""
+    import io
+
+    backend = LocalBackend(tmp_path / "b")
+    backend.put(CHUNK, b"x" * 5000)
+    real_fstat = os.fstat
+
+    def shrunk(fd):
+        st = real_fstat(fd)
+        return os.stat_result((*st[:6], 10, *st[7:]))  # st_size = 10
+
+    reads = []
+    real_read = io.BufferedReader.read
+
+    class Reader(io.BufferedReader):
+        def read(self, n=-1):
+            reads.append(n)
+            return real_read(self, n)
+
+    monkeypatch.setattr(os, "fstat", shrunk)
+    monkeypatch.setattr(  # the module's `open` only
+        "verneuil_fuse.store.local.open",
+        lambda path, mode, opener: Reader(io.FileIO(path, "r", opener=opener)),
+        raising=False,
+    )
+    with pytest.raises(TooLarge) as e:
+        backend.get(CHUNK, max_bytes=100)
+    assert e.value.size is None and "more than 100 bytes" in str(e.value)
+    assert reads == [101]
+
+
+def test_local_special_files_refused(tmp_path):
+    """A FIFO planted under a key would block a reader forever: refused."""
+    backend = LocalBackend(tmp_path / "b")
+    os.mkfifo(os.path.join(backend.root, CHUNK))
+    outcome = []
+
+    def read():
+        try:
+            backend.get(CHUNK, max_bytes=100)
+        except StoreError as err:
+            outcome.append(err)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(10)
+    assert outcome and "not a regular file" in str(outcome[0])
+    with pytest.raises(StoreError):
+        backend.get_range(CHUNK, 0, 10)
+
+
+def test_s3_get_max_bytes_does_not_read_a_big_object(s3_server):
+    """64 MiB behind a 66 KiB bound: refused on Content-Length, the body
+    dropped unread (memory and bytes through the proxy stay far below it)."""
+    import tracemalloc
+
+    from s3server import Proxy
+
+    store = s3_server.make_store()
+    size = 64 << 20
+    s3_server.admin.put_object(Bucket=store.chunks.bucket, Key=CHUNK, Body=bytes(size))
+    before = s3_server.counts()
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(TooLarge) as e:
+            store.chunks.get(CHUNK, max_bytes=66560)
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    d = Proxy.delta(before, s3_server.counts())
+    print("refused a %d-byte object in %.3f s, traced peak %d KiB, %d bytes through the proxy"
+          % (size, elapsed, peak >> 10, d["bytes_down"]))
+    assert e.value.size == size and e.value.bound == 66560
+    assert d["gets"] == 1
+    assert peak < 4 << 20
+    assert d["bytes_down"] < size // 2
+    # The client (its connection dropped) still works.
+    store.chunks.put(CHUNK + "0", b"small")
+    assert store.chunks.get(CHUNK + "0", max_bytes=5) == b"small"
+    store.close()
+
+
+def test_s3_bounded_read_without_content_length(s3_store):
+    """A response without Content-Length (chunked encoding): at most
+    max_bytes + 1 bytes are read, then TooLarge."""
+    backend = s3_store.chunks
+    backend.put(CHUNK, b"y" * 100_000)
+    real = backend.client
+    reads = []
+
+    class NoLength:
+        def get_object(self, **kw):
+            response = real.get_object(**kw)
+            response.pop("ContentLength", None)
+            body = response["Body"]
+            real_read = body.read
+
+            def read(amt=None):
+                reads.append(amt)
+                return real_read(amt)
+
+            body.read = read
+            return response
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    backend.client = NoLength()
+    try:
+        with pytest.raises(TooLarge) as e:
+            backend.get(CHUNK, max_bytes=1000)
+        assert e.value.size is None and reads == [1001]
+        assert backend.get(CHUNK, max_bytes=100_000) == b"y" * 100_000
+    finally:
+        backend.client = real
 
 
 def test_touch(any_store):

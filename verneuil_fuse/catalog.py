@@ -53,11 +53,14 @@ from verneuil_fuse.fetcher import Fetcher, HydrateProgress
 from verneuil_fuse.format import ManifestError, parse_manifest_name
 from verneuil_fuse.format.names import MANGLE_KEEP
 from verneuil_fuse.replica import PrefetchConfig, Replica
-from verneuil_fuse.store import StoreError
+from verneuil_fuse.store import StoreError, TooLarge
 
 log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
+# Latest ctime taken from a manifest, in seconds: 2**63 - 1 nanoseconds
+# (year 2262), the most a file time can hold in the kernel's attributes.
+MAX_CTIME_S = ((1 << 63) - 1) // 1_000_000_000 - 1
 SETTLE_SECONDS = 5.0
 CONTROL_DIR = ".verneuil"
 _MANGLED_HEAD = re.compile(r"\A[0-9a-f]{4}-verneuil%3A.*?%3A[0-9a-f]{4}%2F(%2F.*)\Z", re.S)
@@ -172,10 +175,24 @@ def display_path(key: str) -> tuple[str, list[str]] | None:
     middle = "\u2026" + key[MANGLE_KEEP : MANGLE_KEEP + 12] + "\u2026"
     parts = _clean(unquote(prefix, errors="replace").split("/"))
     if cut < 0:  # the end of one long file name: the mark and the end make one name
-        return host, parts + [middle + unquote(suffix, errors="replace").replace("/", "%2F")]
+        end = unquote(suffix, errors="replace").replace("/", "%2F").replace("\0", "%00")
+        return host, parts + [middle + end]
     parts.append(middle)
     parts.extend(_clean(unquote(suffix, errors="replace").split("/")))
     return host, parts
+
+
+def mtime_ns_of(manifest, listed_mtime: float) -> int:
+    """A replica's mtime: the source's ctime the manifest carries when it is
+    a plausible time (from 1970 to `MAX_CTIME_S`, nanoseconds below one
+    second), else the listed mtime of the manifest blob. A manifest is
+    written by whoever can write the store; its times must not reach the
+    kernel unchecked."""
+    seconds, nanos = manifest.ctime, manifest.ctime_ns
+    if 0 < seconds <= MAX_CTIME_S and 0 <= nanos < 1_000_000_000:
+        return seconds * 1_000_000_000 + nanos
+    listed = listed_mtime if 0 <= listed_mtime <= MAX_CTIME_S else 0
+    return int(listed * 1e9)
 
 
 class Catalog:
@@ -360,6 +377,10 @@ class Catalog:
                     return
                 self._bad[info.key] = (info.size, info.mtime, fetched_at)
                 log.warning("cannot load manifest %s: %s (not tried again until it changes)", info.key, e)
+            except TooLarge as e:
+                self.poll_errors += 1
+                self._bad[info.key] = (info.size, info.mtime, fetched_at)
+                log.warning("cannot load manifest %s: %s (not tried again until it changes)", info.key, e)
             except StoreError as e:
                 self.poll_errors += 1
                 log.warning("cannot load manifest %s: %s", info.key, e)
@@ -400,17 +421,13 @@ class Catalog:
         if entry is None and existing is not None:
             log.warning("%s: %s already names another entry; skipped", key, os.path.join(parent.path, name))
             return
-        if manifest.ctime:
-            mtime_ns = manifest.ctime * 1_000_000_000 + max(0, manifest.ctime_ns)
-        else:
-            mtime_ns = int(info.mtime * 1e9)
         replica = Replica(
             key=key,
             path=os.path.join(parent.path, name),
             manifest=manifest,
             fetcher=self.fetcher,
             inode=self._alloc(),
-            mtime_ns=mtime_ns,
+            mtime_ns=mtime_ns_of(manifest, info.mtime),
             prefetch=self.prefetch,
         )
         self.inodes[replica.inode] = replica

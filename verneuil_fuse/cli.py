@@ -11,6 +11,7 @@ Subcommands (each has --help):
   ls             replicated databases in a store
   manifest       decode one manifest
   lag            how far each database in a spool is behind
+  repair         upload again, from the source files, chunks a store has lost
   query          one SQL query over many databases (a mount, a glob) with Spark
 
 Common flags mean the same everywhere: --store (URL, path, @config.json or
@@ -25,6 +26,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -84,12 +86,14 @@ def _key_bytes(key: str) -> bytes:
     return raw
 
 
-def _read_input(path: str) -> bytes:
+def _read_input(path: str, max_bytes: Optional[int] = None) -> bytes:
+    """The bytes of `path` ('-': stdin); with `max_bytes`, at most that many
+    + 1 are read (the caller tells a longer input by its length)."""
     try:
         if path == "-":
-            return sys.stdin.buffer.read()
+            return sys.stdin.buffer.read(-1 if max_bytes is None else max_bytes + 1)
         with open(path, "rb") as f:
-            return f.read()
+            return f.read(-1 if max_bytes is None else max_bytes + 1)
     except OSError as e:
         raise UserError("cannot read %s: %s" % (path, e.strerror or e)) from None
 
@@ -111,16 +115,26 @@ def _manifest_key(args) -> str:
 
 
 def _load_manifest(args, store):
-    """(name, Manifest) from --manifest-file, -m, or --hostname + -s."""
-    from .copier.restore import decode_manifest, fetch_manifest
+    """(name, Manifest) from --manifest-file, -m, or --hostname + -s; no
+    manifest larger than --max-db-size allows is read past that bound."""
+    from . import format as fmt
+    from .copier.restore import RAISE_LIMIT_HINT, decode_manifest, fetch_manifest
+    max_db_size = getattr(args, "max_db_size", None) or fmt.DEFAULT_MAX_DB_SIZE
     if getattr(args, "manifest_file", None):
-        blob = _read_input(args.manifest_file)
+        limit = fmt.manifest_blob_limit(max_db_size)
+        blob = _read_input(args.manifest_file, max_bytes=limit)
+        if len(blob) > limit:
+            raise UserError("manifest file %s is larger than %d bytes, the limit for databases "
+                            "of up to %s (max_db_size); %s"
+                            % (args.manifest_file, limit, fmt.format_size(max_db_size),
+                               RAISE_LIMIT_HINT))
         return os.path.basename(args.manifest_file), decode_manifest(
-            blob, store, "manifest file %s" % args.manifest_file)
+            blob, store, "manifest file %s" % args.manifest_file, max_db_size=max_db_size)
     if store is None:
         store = _open_store(args, read_only=True)
     name = _manifest_key(args)
-    return name, fetch_manifest(store, name, getattr(args, "version_id", None))
+    return name, fetch_manifest(store, name, getattr(args, "version_id", None),
+                                max_db_size=max_db_size)
 
 
 def _fmt_time(seconds: float) -> str:
@@ -426,21 +440,31 @@ def cmd_restore(args) -> int:
     return EXIT_OK
 
 
-def _ls_entry(store, info, versions: bool) -> dict:
+def _ls_entry(store, info, versions: bool, max_db_size: Optional[int] = None) -> dict:
     from . import format as fmt
-    from .copier.restore import RestoreError, decode_manifest
-    from .store import NotFound
+    from .copier.restore import RAISE_LIMIT_HINT, RestoreError, decode_manifest
+    from .store import NotFound, TooLarge
+    max_db_size = max_db_size or fmt.DEFAULT_MAX_DB_SIZE
     parsed = fmt.parse_manifest_name(info.key)
     entry: dict = {"name": info.key, "hostname": parsed.hostname if parsed else None,
                    "path": parsed.path if parsed else None,
                    "blob_size": info.size, "mtime": info.mtime}
     if parsed is not None and parsed.mangled:
         entry["path"] = "%s...%s" % (parsed.prefix, parsed.suffix)
+    limit = fmt.manifest_blob_limit(max_db_size)
     try:
-        m = decode_manifest(store.manifests.get(info.key), store, "manifest %s" % info.key)
+        # Bounded by max_db_size: an over-large object is an error for its
+        # entry, never read whole.
+        blob = store.manifests.get(info.key, max_bytes=limit)
+        m = decode_manifest(blob, store, "manifest %s" % info.key, max_db_size=max_db_size)
         entry.update(size=m.len, ctime=m.ctime + m.ctime_ns / 1e9, chunks=len(m.chunks))
     except NotFound:
         entry.update(error="deleted while listing")
+    except TooLarge as e:
+        size = "%d bytes" % e.size if e.size is not None else "larger"
+        entry.update(error="manifest is %s, more than the %d-byte limit for databases of up "
+                           "to %s (max_db_size); %s"
+                           % (size, limit, fmt.format_size(max_db_size), RAISE_LIMIT_HINT))
     except RestoreError as e:
         entry.update(error=str(e))
     if versions:
@@ -454,7 +478,7 @@ def cmd_ls(args) -> int:
         prefix = ""
         entries = []
         for info in sorted(store.manifests.list(prefix), key=lambda i: i.key):
-            entry = _ls_entry(store, info, not args.no_versions)
+            entry = _ls_entry(store, info, not args.no_versions, args.max_db_size)
             if args.hostname is not None and entry["hostname"] != args.hostname:
                 continue
             entries.append(entry)
@@ -588,6 +612,153 @@ def cmd_lag(args) -> int:
     return EXIT_OK
 
 
+# -- repair -------------------------------------------------------------------------
+
+# `repair` exit codes besides EXIT_OK, EXIT_ERROR and EXIT_USAGE (docs/COPIER.md).
+EXIT_UNREPAIRABLE = 3  # chunks are still missing: the source changed since the store's snapshot
+EXIT_REPAIRABLE = 4    # --dry-run only: chunks are missing, and a real run would upload them all
+# Unrepairable chunk names listed per database in the text report: enough to
+# look a few up by hand without flooding a terminal (--json lists them all).
+REPAIR_LISTED = 10
+# Seconds between progress lines when stderr is not a terminal (shown with
+# -v): a line a few seconds apart tells a large database is moving along.
+REPAIR_PROGRESS_INTERVAL = 5.0
+
+
+class _RepairProgress:
+    """progress(phase, done, total) of one database: a refreshed line on a
+    terminal, else an INFO line every REPAIR_PROGRESS_INTERVAL seconds."""
+
+    def __init__(self, label: str, enabled: bool):
+        self.label = label
+        self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self._last = time.monotonic()
+        self._shown = False
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if self.tty:
+            if now - self._last < 0.1 and done < total:
+                return
+            sys.stderr.write("\r%s: %s chunks %d/%d\033[K" % (self.label, phase, done, total))
+            sys.stderr.flush()
+            self._shown = True
+        elif now - self._last >= REPAIR_PROGRESS_INTERVAL:
+            log.info("%s: %s chunks %d/%d", self.label, phase, done, total)
+        else:
+            return
+        self._last = now
+
+    def finish(self) -> None:
+        if self._shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            self._shown = False
+
+
+def _repair_targets(args) -> list[tuple[str, str]]:
+    """(source path, manifest name) of each database to repair."""
+    from . import format as fmt
+    from .copier.repair import spool_databases
+    paths = list(args.db) + list(args.source_path or [])
+    if args.all:
+        if paths:
+            raise UserError("give database files or --all, not both", EXIT_USAGE)
+        targets = []
+        for source, name in spool_databases(_spool(args), args.hostname):
+            if os.path.isfile(source):
+                targets.append((source, name))
+            else:
+                log.warning("%s: the database file is gone, skipped", source)
+        return targets
+    if not paths:
+        raise UserError("name the databases to repair (their files on this host), or --all "
+                        "with --spool", EXIT_USAGE)
+    targets = []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise UserError("%s: no such database file" % path, EXIT_USAGE)
+        try:
+            name = fmt.manifest_name(path if args.hostname is None else os.path.abspath(path),
+                                     args.hostname)
+        except fmt.BadName as e:
+            raise UserError(str(e), EXIT_USAGE) from None
+        targets.append((path, name))
+    return targets
+
+
+def _repair_advice(report) -> str:
+    what = ("the base chunk of its manifest is missing (the manifest's chunk list cannot be "
+            "read without it) and cannot be rebuilt" if report.base_chunk_unrepairable else
+            "%d missing chunks cannot be repaired" % len(report.unrepairable))
+    return ("%s: %s: the file changed since the store's snapshot of it. Publish a snapshot of "
+            "the file as it is now (`verneuilctl sync %s`, or a commit through the verneuil VFS "
+            "after `PRAGMA verneuil_full_snapshot`), then run `verneuilctl repair` again"
+            % (report.source, what, report.source))
+
+
+def cmd_repair(args) -> int:
+    from .copier.repair import DEFAULT_WORKERS, NoManifest, repair_database
+    from .copier.restore import RestoreError
+    workers = DEFAULT_WORKERS if args.workers is None else args.workers
+    if workers < 1:
+        raise UserError("--workers must be at least 1", EXIT_USAGE)
+    targets = _repair_targets(args)
+    if not targets:
+        print("no databases in spool %s" % _spool(args))
+        return EXIT_OK
+    # Read-only: never creates a directory store that is not there.
+    store = _open_store(args, read_only=True)
+    reports, failed = [], []
+    try:
+        for source, name in targets:
+            progress = _RepairProgress(source, not args.quiet)
+            try:
+                reports.append(repair_database(store, source, name, dry_run=args.dry_run,
+                                               workers=workers, progress=progress))
+            except NoManifest as e:
+                failed.append((source, name, "nothing to repair: %s (was it replicated to this "
+                               "store, from this host? `verneuilctl ls` lists what the store "
+                               "holds)" % e))
+            except RestoreError as e:
+                failed.append((source, name, str(e)))
+            except OSError as e:
+                failed.append((source, name, "cannot read it: %s" % (e.strerror or e)))
+            finally:
+                progress.finish()
+    finally:
+        store.close()
+    if args.json:
+        _print_json([r.as_dict() for r in reports] +
+                    [{"source": s, "manifest": n, "error": why} for s, n, why in failed])
+    else:
+        for r in reports:
+            done = ("%d repairable (dry run: nothing uploaded)" % len(r.repairable)
+                    if r.dry_run else "%d repaired" % len(r.repaired))
+            print("%s: %d chunks checked, %d missing, %s, %d unrepairable%s" % (
+                r.source, r.checked, len(r.missing), done, len(r.unrepairable),
+                "" if r.dry_run or not r.complete else " (complete)"))
+            for chunk in r.unrepairable[:REPAIR_LISTED]:
+                print("  unrepairable: %s" % chunk)
+            if len(r.unrepairable) > REPAIR_LISTED:
+                print("  ... and %d more" % (len(r.unrepairable) - REPAIR_LISTED))
+    for source, _name, why in failed:
+        _error("%s: %s" % (source, why))
+    unrepairable = [r for r in reports if r.unrepairable]
+    for r in unrepairable:
+        _error(_repair_advice(r))
+    if failed:
+        return EXIT_ERROR
+    if unrepairable:
+        return EXIT_UNREPAIRABLE
+    if args.dry_run and any(r.missing for r in reports):
+        return EXIT_REPAIRABLE
+    return EXIT_OK
+
+
 # -- argument parsing ---------------------------------------------------------------
 
 def cmd_query(args) -> int:
@@ -626,6 +797,33 @@ def _not_negative(convert, noun: str):
 
 _nonneg_int = _not_negative(int, "an integer")
 _positive_float = _not_negative(float, "a number")
+
+# A --max-db-size value: a number and an optional binary unit ("64G" is
+# 64 GiB; "64GiB" and "64GB" read the same).
+_SIZE_RE = re.compile(r"\A\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*\Z", re.I)
+_SIZE_SHIFTS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40, "P": 50}
+
+
+def _byte_size(text: str) -> int:
+    """An argparse type: a size in bytes above 0, such as "64G", "512M",
+    "1.5T" or "1048576" (K, M, G, T, P are powers of 1024)."""
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError("%r is not a size (such as 64G, 512M or 1048576)" % text)
+    number, unit = match.groups()
+    size = int(float(number) * (1 << _SIZE_SHIFTS[unit.upper()])) if "." in number \
+        else int(number) << _SIZE_SHIFTS[unit.upper()]
+    if size <= 0:
+        raise argparse.ArgumentTypeError("%r: the size must be more than 0" % text)
+    return size
+
+
+def _add_max_db_size(p: argparse.ArgumentParser) -> None:
+    # The default (None) is format.DEFAULT_MAX_DB_SIZE, resolved when used so
+    # that building the parser does not load the format package.
+    p.add_argument("--max-db-size", type=_byte_size, default=None, metavar="SIZE",
+                   help="largest database accepted, e.g. 64G or 512M (default 64G): bounds "
+                        "what a manifest may make this command read and allocate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -725,6 +923,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--force", action="store_true",
                    help="replace FILE if it exists (atomically; a symlink is replaced, "
                         "not followed)")
+    _add_max_db_size(p)
     p.set_defaults(func=cmd_restore)
 
     p = sub.add_parser("ls", parents=[common, store],
@@ -734,6 +933,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="JSON output")
     p.add_argument("--no-versions", action="store_true",
                    help="do not count versions (one request less per database)")
+    _add_max_db_size(p)
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("manifest", parents=[common, store, target],
@@ -741,6 +941,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Decode and validate one manifest; human-readable or JSON.")
     p.add_argument("--json", action="store_true", help="JSON output (includes the chunk list)")
     p.add_argument("--chunks", action="store_true", help="list every chunk")
+    _add_max_db_size(p)
     p.set_defaults(func=cmd_manifest)
 
     p = sub.add_parser("lag", parents=[common, store, spool],
@@ -751,6 +952,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="JSON output")
     p.add_argument("--no-store", action="store_true", help="do not compare with the store")
     p.set_defaults(func=cmd_lag)
+
+    p = sub.add_parser("repair", parents=[common, store, spool],
+                       help="upload again, from the source files, chunks a store has lost",
+                       description="For each database: fetch its current manifest from the "
+                                   "store, find the chunks the store lacks, and upload those "
+                                   "whose bytes the source file (or the manifest) still holds, "
+                                   "each checked against its fingerprint. Exit 0 when every "
+                                   "manifest is complete, 3 when chunks stay missing because "
+                                   "the file changed since that snapshot, 4 (--dry-run) when "
+                                   "chunks are missing and a real run would upload them all, "
+                                   "1 on errors (no manifest in the store, unreadable file).")
+    p.add_argument("db", nargs="*", metavar="DB",
+                   help="database file on this host (the source the writer replicated)")
+    p.add_argument("-s", "--source-path", metavar="PATH", action="append",
+                   help="a database file, as DB (repeatable)")
+    p.add_argument("--all", action="store_true",
+                   help="every database of the spool (--spool) whose file still exists")
+    p.add_argument("--hostname",
+                   help="host the databases were replicated from (default: this host, "
+                        "and each path made canonical; with --hostname, only made absolute)")
+    p.add_argument("--dry-run", action="store_true", help="report only, upload nothing")
+    p.add_argument("--json", action="store_true", help="JSON report (one entry per database)")
+    p.add_argument("--workers", type=_nonneg_int,
+                   help="store requests in flight at once (default 8)")
+    p.set_defaults(func=cmd_repair)
 
     p = sub.add_parser("query", parents=[common],
                        help="one SQL query over many databases, with Spark",

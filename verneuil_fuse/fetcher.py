@@ -9,7 +9,14 @@ Where a chunk comes from, in order: the in-memory LRU, a flight already under
 way for the same fingerprint (single-flight: concurrent requests make one
 fetch), the local disk cache (re-verified), then the store (GET, then
 ``decode_chunk`` checks the full 128-bit fingerprint; bounded retries with
-backoff, a per-attempt timeout, then ``FetchError``). Bundled chunks and the
+backoff, a per-attempt timeout and a deadline for the whole fetch, then
+``FetchError``). Every object is read with a bound on its size: a chunk at
+most ``MAX_CHUNK_BLOB_BYTES``, a manifest at most what a database of
+``max_db_size`` bytes needs. A chunk given up on is answered from that
+failure for ``FAILED_CHUNK_TTL`` seconds (the kernel asks again at once for a
+read that failed), and the store is reported unreachable, in the log and the
+stats, from a give-up for want of an answer until the next GET that
+succeeds. Bundled chunks and the
 zero chunk never get here: replicas serve them directly. A flight takes its
 chunk's place in the disk cache when it starts (`ChunkCache.reserve`), so
 that chunks fetched in file order are stored in file order, whatever order
@@ -22,16 +29,27 @@ that joins a prefetch still waiting for its slot promotes it at once.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
 import trio
 
 from verneuil_fuse.cache import ChunkCache, MemoryLRU
-from verneuil_fuse.format import ChunkError, Fprint, chunk_name, decode_and_validate, decode_chunk
-from verneuil_fuse.store import NotFound, StoreError
+from verneuil_fuse.format import (
+    DEFAULT_MAX_DB_SIZE,
+    MAX_CHUNK_BLOB_BYTES,
+    ChunkError,
+    Fprint,
+    chunk_name,
+    decode_and_validate,
+    decode_chunk,
+    manifest_blob_limit,
+)
+from verneuil_fuse.store import NotFound, StoreError, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +62,33 @@ HYDRATE_BLOCK = 16
 
 _RESERVE = object()  # `Fetcher._start`: take the chunk's place in the disk cache now
 
+# A chunk fetched for a read stays in memory at least this long and among the
+# last `HOLD_CHUNKS` so fetched, whatever `mem_cache` says: the kernel may
+# split one read of a program into several requests for the same chunk (page
+# by page, after a failed readahead), and each must find the bytes the first
+# one got, or the program gets a short read. A SQLite page never straddles two
+# chunks, so it is then read whole or not at all. Milliseconds separate such
+# requests; 2 s and 64 chunks (4 MiB) leave a wide margin at a small cost.
+HOLD_SECONDS = 2.0
+HOLD_CHUNKS = 64
+# Default longest wait for one chunk, retries included, before the read fails:
+# long enough for a few retries of a slow GET, short enough that a program
+# reading through the mount sees an I/O error, not a hang, when the store is
+# unreachable.
+DEFAULT_DEADLINE = 30.0
+# Default time limit of one GET attempt: a third of the deadline, so that a
+# request lost in a black hole still leaves time for two more attempts.
+DEFAULT_ATTEMPT_TIMEOUT = 10.0
+# A chunk given up on fails again at once for this long: the kernel retries a
+# failed read straight away (its readahead, then the page itself), which
+# would otherwise wait a second deadline; a read a few seconds later tries
+# the store again.
+FAILED_CHUNK_TTL = 5.0
+
 
 class FetchError(Exception):
-    """A chunk could not be obtained (after retries): the read must fail (EIO)."""
+    """A chunk could not be obtained (after retries, or before the deadline):
+    the read must fail."""
 
 
 class _Flight:
@@ -82,15 +124,29 @@ class Fetcher:
         prefetch_concurrency: int | None = None,
         mem_cache_bytes: int = 64 << 20,
         retries: int = 4,
-        timeout: float = 30.0,
+        timeout: float = DEFAULT_ATTEMPT_TIMEOUT,
+        deadline: float = DEFAULT_DEADLINE,
         backoff: float = 0.05,
         max_prefetch_flights: int = 512,
+        max_db_size: int = DEFAULT_MAX_DB_SIZE,
     ):
         self.store = store
         self.cache = cache
         self.mem = MemoryLRU(mem_cache_bytes)
         self.retries = retries
         self.timeout = timeout
+        self.deadline = deadline
+        self.max_db_size = max_db_size
+        self.manifest_limit = manifest_blob_limit(max_db_size)
+        # Chunks recently fetched for reads: fingerprint -> (expiry, bytes).
+        self._held: OrderedDict[Fprint, tuple[float, bytes]] = OrderedDict()
+        # Chunks given up on: fingerprint -> (trio time, the error).
+        self._failed: dict[Fprint, tuple[float, FetchError]] = {}
+        # Whether the store answers: False from a give-up for want of an
+        # answer until the next GET that succeeds.
+        self.reachable = True
+        self.unreachable_since = 0.0  # time.time()
+        self.last_store_error: str | None = None
         self.backoff = backoff
         self.max_prefetch_flights = max_prefetch_flights
         # Store I/O (GET + decode in one thread hop).
@@ -135,6 +191,8 @@ class Fetcher:
                 "prefetch_hits",  # demand served by a prefetched chunk
                 "manifest_gets",
                 "lists",
+                "too_large",  # objects larger than their bound, never read
+                "failed_fast",  # demand reads answered from a recent give-up
             ),
             0,
         )
@@ -160,19 +218,46 @@ class Fetcher:
         return await self.run_blocking(lambda: list(self.store.manifests.list("")))
 
     async def get_manifest_blob(self, key: str) -> bytes:
+        """A manifest blob, at most `manifest_limit` bytes (else TooLarge,
+        without reading it)."""
         self.stats["manifest_gets"] += 1
-        return await self.run_blocking(self.store.manifests.get, key)
+        try:
+            return await self.run_blocking(
+                functools.partial(self.store.manifests.get, key, max_bytes=self.manifest_limit))
+        except TooLarge:
+            self.stats["too_large"] += 1
+            raise
 
     async def decode_manifest(self, blob: bytes):
-        """``decode_and_validate`` in a thread; a base chunk comes through
-        ``get`` (verified, cached, single-flight)."""
+        """``decode_and_validate`` in a thread, bounded by ``max_db_size``; a
+        base chunk comes through ``get`` (verified, cached, single-flight)."""
 
         def fetch_chunk(fp: Fprint) -> bytes:
             return trio.from_thread.run(self.get, fp)
 
-        return await self.run_blocking(decode_and_validate, blob, fetch_chunk)
+        return await self.run_blocking(
+            functools.partial(decode_and_validate, blob, fetch_chunk, max_db_size=self.max_db_size))
 
     # ------------------------------------------------------------------ reads
+    def _memory(self, fp: Fprint) -> bytes | None:
+        """The chunk from the in-memory LRU, or held since a recent read."""
+        data = self.mem.get(fp)
+        if data is None and self._held:
+            held = self._held.get(fp)
+            if held is not None:
+                if held[0] >= trio.current_time():
+                    return held[1]
+                del self._held[fp]
+        return data
+
+    def _hold(self, fp: Fprint, data: bytes) -> None:
+        """Keep a chunk fetched for a read (see `HOLD_SECONDS`)."""
+        held = self._held
+        held[fp] = (trio.current_time() + HOLD_SECONDS, data)
+        held.move_to_end(fp)
+        while len(held) > HOLD_CHUNKS:
+            held.popitem(last=False)
+
     def _used(self, fp: Fprint) -> None:
         if fp in self._prefetched_unused:
             self._prefetched_unused.discard(fp)
@@ -181,7 +266,7 @@ class Fetcher:
     def _ready(self, fp: Fprint) -> bytes | None:
         """Bytes that need no waiting: in memory, or in the disk cache *and*
         the kernel's page cache (a non-blocking read, see `ChunkCache.get_nowait`)."""
-        data = self.mem.get(fp)
+        data = self._memory(fp)
         if data is not None:
             self.stats["mem_hits"] += 1
             return data
@@ -213,7 +298,7 @@ class Fetcher:
         """A demand read for a chunk `get_nowait` did not have: join or start
         its flight (disk cache in a thread, else the store)."""
         self.stats["requests"] += 1
-        data = self.mem.get(fp)  # it may have arrived since
+        data = self._memory(fp)  # it may have arrived since
         if data is not None:
             self.stats["mem_hits"] += 1
             self._used(fp)
@@ -227,6 +312,12 @@ class Fetcher:
                 if flight.wait_scope is not None:
                     flight.wait_scope.cancel()
         else:
+            failed = self._failed.get(fp)
+            if failed is not None:
+                if trio.current_time() - failed[0] < FAILED_CHUNK_TTL:
+                    self.stats["failed_fast"] += 1
+                    raise failed[1]
+                del self._failed[fp]
             flight = self._start(fp, prefetch=False)
         await flight.event.wait()
         if flight.error is not None:
@@ -256,7 +347,7 @@ class Fetcher:
         done = [False] * n
         disk: list[int] = []
         for k, fp in enumerate(fps):
-            data = self.mem.get(fp)
+            data = self._memory(fp)
             if data is not None:
                 dests[k][:] = data
                 done[k] = True
@@ -441,6 +532,9 @@ class Fetcher:
             flight.data = await self._load(fp, flight, hydrate)
         except FetchError as e:
             flight.error = e
+            if len(self._failed) >= self.max_prefetch_flights:
+                self._failed.clear()  # a bound, not a policy: entries live seconds
+            self._failed[fp] = (trio.current_time(), e)
         except BaseException as e:  # noqa: BLE001 - reported to every waiter
             flight.error = e
             if not isinstance(e, Exception):
@@ -466,6 +560,8 @@ class Fetcher:
             if data is not None:
                 self.stats["disk_hits"] += 1
                 self.mem.put(fp, data)
+                if not flight.prefetch or flight.promoted:
+                    self._hold(fp, data)
                 return data
         data = await self._download(fp)
         self.stats["store_fetches"] += 1
@@ -475,6 +571,8 @@ class Fetcher:
                 self._prefetched_unused.add(fp)
         if not hydrate or flight.promoted:
             self.mem.put(fp, data)
+        if not flight.prefetch or flight.promoted:
+            self._hold(fp, data)
         if self.cache is not None:
             assert self._writes is not None
             self._writes.start_soon(self._cache_put, fp, data, flight.slot)
@@ -491,48 +589,78 @@ class Fetcher:
             self.cache.release(slot)  # if `put` never ran (cancelled) or failed
 
     async def _download(self, fp: Fprint) -> bytes:
+        """GET and verify one chunk: attempts of at most ``timeout`` seconds,
+        with backoff, until one succeeds, ``retries`` retries are spent or
+        ``deadline`` seconds have passed (queueing for a GET slot included);
+        then FetchError."""
         name = chunk_name(fp)
         backend = self.store.chunks
 
         def get_and_decode() -> tuple[int, bytes]:
-            blob = backend.get(name)
+            blob = backend.get(name, max_bytes=MAX_CHUNK_BLOB_BYTES)
             return len(blob), decode_chunk(blob, fp)
 
         last: BaseException | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                self.stats["retries"] += 1
-                await trio.sleep(min(self.backoff * (2 ** (attempt - 1)), 2.0))
-            start = time.monotonic()
-            try:
-                async with self.io_limiter:
-                    self.stats["gets"] += 1
-                    with trio.fail_after(self.timeout):
-                        size, data = await trio.to_thread.run_sync(
-                            get_and_decode, abandon_on_cancel=True, limiter=self.thread_limiter
-                        )
-                self.stats["get_bytes"] += size
-                log.debug("GET %s: %d bytes in %.3fs", name, size, time.monotonic() - start)
-                return data
-            except trio.TooSlowError:
-                last = TimeoutError("GET %s timed out after %.1fs" % (name, self.timeout))
-            except ChunkError as e:
-                self.stats["corrupt"] += 1
-                last = e
-            except NotFound as e:
-                last = e
-            except StoreError as e:
-                last = e
-            except OSError as e:
-                last = e
-            self.stats["get_errors"] += 1
-            log.debug(
-                "GET %s failed (attempt %d, %.3fs): %s", name, attempt + 1, time.monotonic() - start, last
-            )
+        attempts = 0
+        with trio.move_on_after(self.deadline) as deadline:
+            for attempt in range(self.retries + 1):
+                if attempt:
+                    self.stats["retries"] += 1
+                    await trio.sleep(min(self.backoff * (2 ** (attempt - 1)), 2.0))
+                start = time.monotonic()
+                attempts += 1
+                try:
+                    async with self.io_limiter:
+                        self.stats["gets"] += 1
+                        with trio.fail_after(self.timeout):
+                            size, data = await trio.to_thread.run_sync(
+                                get_and_decode, abandon_on_cancel=True, limiter=self.thread_limiter
+                            )
+                    self.stats["get_bytes"] += size
+                    log.debug("GET %s: %d bytes in %.3fs", name, size, time.monotonic() - start)
+                    self._store_answered()
+                    return data
+                except trio.TooSlowError:
+                    last = TimeoutError("GET %s timed out after %.1fs" % (name, self.timeout))
+                except ChunkError as e:
+                    self.stats["corrupt"] += 1
+                    last = e
+                except TooLarge as e:
+                    self.stats["too_large"] += 1
+                    self.stats["get_errors"] += 1
+                    last = e
+                    break  # the same object next time: not worth a retry
+                except (StoreError, OSError) as e:
+                    last = e
+                self.stats["get_errors"] += 1
+                log.debug(
+                    "GET %s failed (attempt %d, %.3fs): %s", name, attempt + 1, time.monotonic() - start, last
+                )
+        if deadline.cancelled_caught:
+            last = TimeoutError("no answer from the store within the %.0fs deadline (last: %s)"
+                                % (self.deadline, last or "none"))
         self.stats["failed"] += 1
-        log.error("giving up on chunk %s after %d attempts: %s", name, self.retries + 1, last)
+        if isinstance(last, (TimeoutError, OSError)) or (
+            isinstance(last, StoreError) and not isinstance(last, (NotFound, TooLarge))
+        ):
+            self._store_unanswered(last)
+        log.error("giving up on chunk %s after %d attempts: %s", name, attempts, last)
         text = str(last)
         raise FetchError(text if name in text else "chunk %s: %s" % (name, text))
+
+    def _store_answered(self) -> None:
+        if not self.reachable:
+            self.reachable = True
+            self._failed.clear()  # given up on while the store failed: worth a new try
+            log.warning("the store answers again (unreachable for %.0fs)", time.time() - self.unreachable_since)
+
+    def _store_unanswered(self, error: BaseException) -> None:
+        self.last_store_error = str(error)
+        if self.reachable:
+            self.reachable = False
+            self.unreachable_since = time.time()
+            log.warning("the store is unreachable or failing (%s): reads that need it fail with a remote "
+                        "I/O error within %.0fs (mount option deadline)", error, self.deadline)
 
     # ------------------------------------------------------------------ stats
     def snapshot(self) -> dict[str, Any]:
@@ -540,6 +668,13 @@ class Fetcher:
         out["prefetch_waste"] = len(self._prefetched_unused)
         out["inflight"] = len(self._inflight)
         out["mem_cache_bytes"] = self.mem._size
+        out["store"] = {
+            "reachable": self.reachable,
+            "unreachable_since": None if self.reachable else self.unreachable_since,
+            "last_error": self.last_store_error,
+            "deadline": self.deadline,
+            "max_db_size": self.max_db_size,
+        }
         if self.cache is not None:
             out["disk_cache"] = self.cache.describe()
         return out

@@ -12,15 +12,25 @@ replicas out, errors translated to errno. The only module that raises
   page cache (`Replica.take_preload`), before any read.
 - ``/.verneuil/stats`` is rendered at open (``direct_io``, so its size does
   not matter).
+- Errors: a read whose chunk cannot be obtained from the store (unreachable,
+  timed out, missing or failing verification) fails with ``EREMOTEIO``, not
+  ``EIO``: SQLite turns ``EIO`` into "database disk image is malformed"
+  (SQLITE_IOERR_CORRUPTFS) but any other errno into "disk I/O error", and a
+  store outage is not a corrupt database. Every handler is guarded: an
+  unexpected exception is logged and becomes ``EIO`` for that one request,
+  never the end of the mount.
+- Values from the store (times, sizes) are clamped to what the kernel's
+  attributes can hold before they reach it.
 """
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import stat
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 import pyfuse3
 
@@ -32,6 +42,41 @@ from verneuil_fuse.replica import Cursor, Replica
 log = logging.getLogger(__name__)
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_CREAT | os.O_APPEND
+
+# The errno of a read whose chunk the store could not give (see the module
+# docstring for why not EIO).
+STORE_ERRNO = errno.EREMOTEIO
+# Largest time and size handed to the kernel: pyfuse3 takes times as unsigned
+# 64-bit nanoseconds and sizes as a signed 64-bit off_t; anything outside
+# (a manifest is written by whoever can write the store) would raise inside
+# the handler instead of answering.
+MAX_TIME_NS = (1 << 63) - 1
+MAX_SIZE = (1 << 63) - 1
+
+_F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
+
+
+def _guarded(method: _F) -> _F:
+    """A request handler whose unexpected exceptions become EIO for that
+    request (logged with the traceback, counted), never the end of the mount:
+    pyfuse3 ends its main loop on any exception that is not a FUSEError."""
+
+    @functools.wraps(method)
+    async def handler(self: "VerneuilFS", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await method(self, *args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception:  # noqa: BLE001 - one request fails, the mount stays
+            self.handler_errors += 1
+            log.exception("%s%r failed; answered EIO", method.__name__, args[:3])
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return handler  # type: ignore[return-value]
+
+
+def _clamp(value: int, top: int) -> int:
+    return max(0, min(int(value), top))
 
 
 @dataclass
@@ -62,7 +107,8 @@ class VerneuilFS(pyfuse3.Operations):
         self._handles: dict[int, _Handle] = {}
         self._dir_handles: dict[int, list[tuple[str, Any]]] = {}
         self._next_fh = 1
-        self.read_errors = 0
+        self.read_errors = 0  # reads answered STORE_ERRNO or EIO
+        self.handler_errors = 0  # unexpected exceptions answered EIO
         self.preload = True  # off once the kernel refuses notify_store
         self.mounted = False
         catalog.on_invalidate = self.invalidate
@@ -113,11 +159,13 @@ class VerneuilFS(pyfuse3.Operations):
             a.attr_timeout = 0
         else:  # pragma: no cover - the catalog holds nothing else
             raise pyfuse3.FUSEError(errno.EIO)
+        a.st_size = _clamp(a.st_size, MAX_SIZE)
         a.st_blocks = -(-a.st_size // 512)
-        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = t
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = _clamp(t, MAX_TIME_NS)
         return a
 
     # ------------------------------------------------------------ namespace
+    @_guarded
     async def lookup(self, parent_inode, name, ctx=None):
         text = os.fsdecode(name)
         if text == ".":
@@ -132,19 +180,23 @@ class VerneuilFS(pyfuse3.Operations):
         self.catalog.remember(node)
         return self.attributes(node)
 
+    @_guarded
     async def forget(self, inode_list):
         for inode, nlookup in inode_list:
             self.catalog.forget(inode, nlookup)
 
+    @_guarded
     async def getattr(self, inode, ctx=None):
         return self.attributes(self._node(inode))
 
+    @_guarded
     async def access(self, inode, mode, ctx):
         self._node(inode)
         if mode & os.W_OK:
             raise pyfuse3.FUSEError(errno.EROFS)
         return True
 
+    @_guarded
     async def opendir(self, inode, ctx):
         node = self._node(inode)
         if not isinstance(node, Directory):
@@ -156,6 +208,7 @@ class VerneuilFS(pyfuse3.Operations):
         self._dir_handles[fh] = [(".", node), ("..", node.parent or node)] + self.catalog.listdir(inode)
         return fh
 
+    @_guarded
     async def readdir(self, fh, start_id, token):
         entries = self._dir_handles.get(fh)
         if entries is None:
@@ -167,9 +220,11 @@ class VerneuilFS(pyfuse3.Operations):
             if i >= 2:  # the kernel takes no reference for "." and ".."
                 self.catalog.remember(node)
 
+    @_guarded
     async def releasedir(self, fh):
         self._dir_handles.pop(fh, None)
 
+    @_guarded
     async def statfs(self, ctx):
         s = pyfuse3.StatvfsData()
         total = sum(e.current.size for e in self.catalog.entries.values())
@@ -182,6 +237,7 @@ class VerneuilFS(pyfuse3.Operations):
         return s
 
     # ------------------------------------------------------------------ files
+    @_guarded
     async def open(self, inode, flags, ctx):
         node = self._node(inode)
         if flags & _WRITE_FLAGS:
@@ -204,6 +260,7 @@ class VerneuilFS(pyfuse3.Operations):
             node.preloaded += len(data)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
+    @_guarded
     async def read(self, fh, off, size):
         handle = self._handles.get(fh)
         if handle is None:
@@ -217,17 +274,19 @@ class VerneuilFS(pyfuse3.Operations):
         except FetchError as e:
             self.read_errors += 1
             log.error("read %s [%d, +%d): %s", node.path, off, size, e)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            raise pyfuse3.FUSEError(STORE_ERRNO) from None
         except Exception:  # noqa: BLE001 - never a wrong byte, never a dead mount
             self.read_errors += 1
             log.exception("read %s [%d, +%d) failed", node.path, off, size)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
+    @_guarded
     async def release(self, fh):
         handle = self._handles.pop(fh, None)
         if handle is not None and isinstance(handle.node, Replica):
             self.catalog.released(handle.node)
 
+    @_guarded
     async def flush(self, fh):
         return None
 

@@ -26,6 +26,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from verneuil_fuse.fetcher import DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE
+from verneuil_fuse.format import CHUNK_SIZE, DEFAULT_MAX_DB_SIZE
+
 log = logging.getLogger("verneuil_fuse.mount")
 
 # Options libfuse accepts (DESIGN.md); anything else makes fuse_session_new fail.
@@ -71,8 +74,15 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
   btree_max=N             largest B-tree prefetch window, in chunks (default 32)
   concurrency=N           parallel GETs to the store, 1-256 (default 16)
   prefetch_concurrency=N  of which prefetches may use at most N (default 3/4)
-  retries=N               retries of a failed or slow GET before EIO (default 4)
-  timeout=SECONDS         time limit of one GET attempt (default 30)
+  retries=N               retries of a failed or slow GET (default 4)
+  timeout=SECONDS         time limit of one GET attempt (default 10)
+  deadline=SECONDS        longest wait for one chunk, retries included; then
+                          the read fails with EREMOTEIO, which SQLite reports
+                          as "disk I/O error" (default 30)
+  max_db_size=SIZE        largest database served: a manifest describing a
+                          larger one is skipped with one log line, and no
+                          manifest object larger than such a database needs
+                          is read (default 64G)
   hydrate[=on|off]        fetch every chunk of every database into the disk
                           cache in the background, again for each new
                           version; progress per database in the stats; needs
@@ -144,7 +154,9 @@ class Options:
     concurrency: int = 16
     prefetch_concurrency: int | None = None
     retries: int = 4
-    timeout: float = 30.0
+    timeout: float = DEFAULT_ATTEMPT_TIMEOUT
+    deadline: float = DEFAULT_DEADLINE
+    max_db_size: int = DEFAULT_MAX_DB_SIZE
     hydrate: bool = False
     entry_timeout: float = 1.0
     read_ahead_kb: int | None = None
@@ -196,6 +208,13 @@ def _cache_size(text: str) -> int:
     return v
 
 
+def _db_size(text: str) -> int:
+    v = parse_size(text)
+    if v < CHUNK_SIZE:
+        raise ValueError("at least 64K")
+    return v
+
+
 def _path(text: str) -> str:
     if not text:
         raise ValueError("an empty path")
@@ -244,6 +263,8 @@ _OWN = {
     "prefetch_concurrency": _concurrency,
     "retries": _nonneg_int,
     "timeout": _seconds,
+    "deadline": _seconds,
+    "max_db_size": _db_size,
     "hydrate": _bool,
     "entry_timeout": _nonneg_seconds,
     "read_ahead_kb": _nonneg_int,
@@ -508,6 +529,8 @@ async def serve(opts: Options, store, ready) -> None:
         mem_cache_bytes=opts.mem_cache,
         retries=opts.retries,
         timeout=opts.timeout,
+        deadline=opts.deadline,
+        max_db_size=opts.max_db_size,
     )
     prefetch = PrefetchConfig(
         readahead=opts.readahead and opts.readahead_max > 0,
@@ -521,7 +544,8 @@ async def serve(opts: Options, store, ready) -> None:
     state = {"ready": False}
     catalog.extra_stats = lambda: {
         "mount": {"source": store.url, "mountpoint": opts.mountpoint, "pid": os.getpid(),
-                  "read_errors": ops.read_errors, "ready": state["ready"],
+                  "read_errors": ops.read_errors, "handler_errors": ops.handler_errors,
+                  "ready": state["ready"],
                   "cache_dir": cache.directory if cache else None}
     }
     mounted = False

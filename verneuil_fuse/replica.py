@@ -28,7 +28,7 @@ import logging
 from dataclasses import dataclass, field
 
 from verneuil_fuse import btree
-from verneuil_fuse.fetcher import Fetcher
+from verneuil_fuse.fetcher import FetchError, Fetcher
 from verneuil_fuse.format import CHUNK_SIZE, ZERO_CHUNK_FPRINT, Fprint, Manifest
 
 log = logging.getLogger(__name__)
@@ -180,8 +180,8 @@ class Replica:
 
     async def read(self, off: int, size: int, cursor: Cursor | None = None) -> bytes | memoryview:
         """Exactly ``size`` bytes from ``off`` (a view when one chunk holds them),
-        fewer only at end of file.
-        Raises FetchError when a chunk cannot be obtained (EIO)."""
+        fewer only at end of file. Raises FetchError when a chunk cannot be
+        obtained, or has another length than the manifest's length needs."""
         if off >= self.size or size <= 0:
             return b""
         end = min(off + size, self.size)
@@ -194,6 +194,12 @@ class Replica:
             data = self.chunk_nowait(first)
             if data is None:
                 data = await self._chunk_waiting(first)
+            if len(data) != self.manifest.chunk_length(first) and data is not _ZERO_CHUNK:
+                # A manifest whose chunk list contradicts its length: the
+                # chunk is verified, but it is not the chunk this offset
+                # needs. An error, never a short read mid-file.
+                raise FetchError("%s: chunk %d has %d bytes where the manifest's length needs %d"
+                                 % (self.path, first, len(data), self.manifest.chunk_length(first)))
             # A view, not a copy: pyfuse3 copies it into the reply.
             return memoryview(data)[off - base : end - base]
         # Several chunks (the kernel's readahead asks for up to 1 MiB): read

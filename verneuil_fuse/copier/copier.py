@@ -132,7 +132,8 @@ class Copier:
         self._db_pool = DaemonPool(db_workers, name="copier-db")
         self._states: dict[str, _DbState] = {}
         self._stats_lock = threading.Lock()
-        self._touch_queue: list[str] = []
+        self._touch_queue: list[tuple[str, str]] = []  # (chunk name, database) to touch
+        self._touch_warned: set[str] = set()  # databases with a missing chunk this patrol
         self._next_cleanup = 0.0
         self._deadline: Optional[float] = None  # set by flush(timeout)
 
@@ -338,7 +339,10 @@ class Copier:
             names.add(m.base_chunks_fprint.name)
         names.discard(fmt.ZERO_CHUNK_NAME)
         log.info("touching %d chunks of %s", len(names), db.path)
-        self._touch_queue.extend(sorted(names))
+        label = db.source() or db.path
+        with self._stats_lock:
+            self._touch_warned.discard(label)  # a new patrol: warn again if chunks are missing
+        self._touch_queue.extend((name, label) for name in sorted(names))
 
     def _check_idle_touch(self, db: sp.DbDir) -> None:
         """A database that stops changing gets no manifest upload, but its
@@ -365,7 +369,8 @@ class Copier:
                 continue
             self._maybe_schedule_touch(db, m)
 
-    def _touch_one(self, name: str) -> None:
+    def _touch_one(self, item: tuple[str, str]) -> None:
+        name, label = item
         if name in self.recent:
             return
         try:
@@ -373,15 +378,24 @@ class Copier:
             self._count(touches=1)
         except NotFound:
             self._count(touch_missing=1)
-            log.warning("live chunk %s is missing from the store", name)
+            with self._stats_lock:  # one warning per database and patrol
+                first = label not in self._touch_warned
+                self._touch_warned.add(label)
+            if first:
+                log.warning("%s: live chunk %s is missing from the store (lost or expired; "
+                            "said once per database and touch round, stats.touch_missing "
+                            "counts them all): `verneuilctl repair --store STORE %s` uploads "
+                            "them again from the database file", label, name, label)
+            else:
+                log.debug("%s: live chunk %s is missing from the store", label, name)
 
     def touch_some(self, limit: int = 64) -> int:
         """Touch up to `limit` queued chunks; how many are left."""
         batch, self._touch_queue = self._touch_queue[:limit], self._touch_queue[limit:]
         results = self._pool.map(self._touch_one, batch)
-        failed = [(name, value) for (ok, value), name in zip(results, batch) if not ok]
+        failed = [(item, value) for (ok, value), item in zip(results, batch) if not ok]
         if failed:
-            self._touch_queue.extend(name for name, _ in failed)  # retried next pass
+            self._touch_queue.extend(item for item, _ in failed)  # retried next pass
             raise failed[0][1]
         return len(self._touch_queue)
 

@@ -14,7 +14,7 @@ import threading
 from typing import BinaryIO, Callable, Optional
 
 from .. import format as fmt
-from ..store import NotFound
+from ..store import NotFound, TooLarge
 from .pool import DaemonPool
 
 
@@ -22,14 +22,25 @@ class RestoreError(Exception):
     """A replica that cannot be restored (missing or corrupt); one line."""
 
 
+# What to tell a user whose manifest is over the size limit.
+RAISE_LIMIT_HINT = "raise max_db_size (verneuilctl --max-db-size) if that database is genuine"
+
+
 def chunk_fetcher(store) -> Callable[[fmt.Fprint], bytes]:
+    """fetch(fprint) -> the chunk's verified bytes.  A chunk object larger
+    than `fmt.MAX_CHUNK_BLOB_BYTES` is refused unread (RestoreError)."""
     def fetch(fp: fmt.Fprint) -> bytes:
         if fp == fmt.ZERO_CHUNK_FPRINT:
             return bytes(fmt.CHUNK_SIZE)
         try:
-            blob = store.chunks.get(fp.name)
+            blob = store.chunks.get(fp.name, max_bytes=fmt.MAX_CHUNK_BLOB_BYTES)
         except NotFound:
             raise RestoreError("chunk %s is missing from the store" % fp.name) from None
+        except TooLarge as e:
+            raise RestoreError("corrupt chunk in the store: %s is %s, more than the %d bytes "
+                               "a chunk object may hold"
+                               % (fp.name, "%d bytes" % e.size if e.size is not None
+                                  else "larger", fmt.MAX_CHUNK_BLOB_BYTES)) from None
         try:
             return fmt.decode_chunk(blob, fp)
         except fmt.ChunkError as e:
@@ -37,29 +48,43 @@ def chunk_fetcher(store) -> Callable[[fmt.Fprint], bytes]:
     return fetch
 
 
-def load_manifest_blob(store, name: str, version_id: Optional[str] = None) -> bytes:
+def load_manifest_blob(store, name: str, version_id: Optional[str] = None, *,
+                       max_db_size: int = fmt.DEFAULT_MAX_DB_SIZE) -> bytes:
+    """The manifest object, refused unread (RestoreError) when it is larger
+    than `fmt.manifest_blob_limit(max_db_size)`."""
+    limit = fmt.manifest_blob_limit(max_db_size)
     try:
         if version_id is None:
-            return store.manifests.get(name)
-        return store.manifests.get_version(name, version_id)
+            return store.manifests.get(name, max_bytes=limit)
+        return store.manifests.get_version(name, version_id, max_bytes=limit)
     except NotFound:
         what = "manifest %s" % name if version_id is None else \
             "version %s of manifest %s" % (version_id, name)
         raise RestoreError("no such replicated database in %s: %s"
                            % (store.manifests.describe(), what)) from None
+    except TooLarge as e:
+        size = "%d bytes" % e.size if e.size is not None else "larger"
+        raise RestoreError("manifest %s is %s, more than the %d-byte limit for databases of "
+                           "up to %s (max_db_size); %s"
+                           % (name, size, limit, fmt.format_size(max_db_size),
+                              RAISE_LIMIT_HINT)) from None
 
 
-def decode_manifest(blob: bytes, store=None, what: str = "manifest") -> fmt.Manifest:
+def decode_manifest(blob: bytes, store=None, what: str = "manifest", *,
+                    max_db_size: int = fmt.DEFAULT_MAX_DB_SIZE) -> fmt.Manifest:
     fetch = chunk_fetcher(store) if store is not None else None
     try:
-        return fmt.decode_and_validate(blob, fetch_chunk=fetch)
+        return fmt.decode_and_validate(blob, fetch_chunk=fetch, max_db_size=max_db_size)
     except fmt.ManifestError as e:
+        if e.rule == "size-limit":
+            raise RestoreError("%s is too large: %s; %s" % (what, e.detail, RAISE_LIMIT_HINT)) from None
         raise RestoreError("corrupt %s: %s" % (what, e)) from None
 
 
-def fetch_manifest(store, name: str, version_id: Optional[str] = None) -> fmt.Manifest:
-    return decode_manifest(load_manifest_blob(store, name, version_id), store,
-                           "manifest %s" % name)
+def fetch_manifest(store, name: str, version_id: Optional[str] = None, *,
+                   max_db_size: int = fmt.DEFAULT_MAX_DB_SIZE) -> fmt.Manifest:
+    return decode_manifest(load_manifest_blob(store, name, version_id, max_db_size=max_db_size),
+                           store, "manifest %s" % name, max_db_size=max_db_size)
 
 
 def write_snapshot(store, m: fmt.Manifest, out: BinaryIO, *, workers: int = 8,

@@ -12,8 +12,13 @@ import time
 from typing import Optional
 
 from .. import format as fmt
-from ..store import NotFound
+from ..store import NotFound, TooLarge
 from . import spool as sp
+
+# The size limit for the spool's own staged manifests: they come from this
+# host's writer, not from the store, so any database size is fine and only
+# Verneuil's cap on a manifest (MAX_MANIFEST_BYTES) bounds the decoding.
+SPOOL_MAX_DB_SIZE = (1 << 64) - 1
 
 
 def _snapshot_dirs(db: sp.DbDir, which: str) -> list[dict]:
@@ -31,16 +36,25 @@ def _snapshot_dirs(db: sp.DbDir, which: str) -> list[dict]:
     return out
 
 
-def _store_manifest_raw(store, name: str) -> Optional[bytes]:
+def _store_manifest_raw(store, name: str, staged: bytes) -> Optional[bytes]:
+    """The store's manifest `name`, decompressed, as far as needed to compare
+    it with the `staged` (raw) one: None if missing; an object too large to
+    be a frame of `staged` (or of any manifest of the default size limit) is
+    not read and reported as b"" (it differs)."""
+    staged_frame_bound = len(staged) + (len(staged) >> 8) + fmt.manifest.ZSTD_FRAME_SLACK
+    bound = max(fmt.manifest_blob_limit(fmt.DEFAULT_MAX_DB_SIZE), staged_frame_bound)
     try:
-        blob = store.manifests.get(name)
+        blob = store.manifests.get(name, max_bytes=bound)
     except NotFound:
         return None
+    except TooLarge:
+        return b""
     if blob.startswith(fmt.ZSTD_MAGIC):
         import zstandard
         try:
+            # One byte more than the staged manifest tells "differs" already.
             with zstandard.ZstdDecompressor().stream_reader(blob) as r:
-                return r.read(fmt.MAX_MANIFEST_BYTES + 1)
+                return r.read(len(staged) + 1)
         except zstandard.ZstdError:
             return blob
     return blob
@@ -69,7 +83,7 @@ def db_status(db: sp.DbDir, store=None) -> dict:
             continue
         entry["age"] = max(0.0, now - mtime)
         try:
-            m = fmt.decode_and_validate(raw)
+            m = fmt.decode_and_validate(raw, max_db_size=SPOOL_MAX_DB_SIZE)
         except fmt.ManifestError as e:
             # A chunk list XOR-ed with a base chunk needs the store to decode;
             # the spool status fetches nothing, so that is not an error here.
@@ -87,7 +101,7 @@ def db_status(db: sp.DbDir, store=None) -> dict:
                 except OSError:
                     entry["source_changed"] = None
         if store is not None:
-            remote = _store_manifest_raw(store, name)
+            remote = _store_manifest_raw(store, name, raw)
             entry["in_store"] = ("missing" if remote is None
                                  else "current" if remote == raw else "behind")
         manifests.append(entry)

@@ -4,12 +4,14 @@ Everything here is pure computation on bytes (no I/O but /etc/hostname):
 the store, copier, reader and CLI all go through this package to agree with
 Verneuil on every byte.
 """
-from .manifest import (CHUNK_ZSTD_LEVEL, GENERATED_BY, MANIFEST_ZSTD_LEVEL,
-                       MAX_MANIFEST_BYTES, ZSTD_MAGIC, ChunkError, Manifest,
-                       ManifestError, chunk_count, compress_chunk,
+from .manifest import (CHUNK_ZSTD_LEVEL, DEFAULT_MAX_DB_SIZE, GENERATED_BY,
+                       MANIFEST_ZSTD_LEVEL, MAX_CHUNK_BLOB_BYTES,
+                       MAX_MANIFEST_BYTES, ZSTD_MAGIC, ChunkError, ChunkList,
+                       Manifest, ManifestError, chunk_count, compress_chunk,
                        compress_manifest, contents_fprint_of, decode_and_validate,
-                       decode_chunk, encode_manifest, header_fprint_of,
-                       snapshot_of, words_of)
+                       decode_chunk, encode_manifest, format_size,
+                       header_fprint_of, manifest_blob_limit, snapshot_of,
+                       words_of)
 from .names import (CHUNK_SIZE, ZERO_CHUNK_FPRINT, ZERO_CHUNK_NAME, BadName,
                     ManifestName, chunk_fingerprint, chunk_name, local_hostname,
                     manifest_name, parse_chunk_name, parse_manifest_name,

@@ -7,8 +7,12 @@ exception type, `ManifestError`, whose `rule` names the rule that failed.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import struct
-from typing import Callable, Iterable, Optional
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 import zstandard
 
@@ -18,8 +22,40 @@ from .umash import CHUNK_KEY, DIRECTORY_KEY, HEADER_KEY, Fprint, fingerprint
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # Verneuil's cap on a decompressed manifest (384 MiB: 16 bytes per 64 KiB
-# chunk describes databases of about 1.5 TiB).
+# chunk describes databases of about 1.5 TiB).  No limit derived from
+# `max_db_size` ever exceeds it.
 MAX_MANIFEST_BYTES = 3 << 27
+
+# The largest database a mount or a restore serves by default: 64 GiB, whose
+# manifest's chunk list is 16 MiB (1 Mi chunks of 16 bytes).  It bounds what a
+# manifest may make a reader allocate; callers take it as a `max_db_size`
+# setting, so larger databases only need that setting raised.
+DEFAULT_MAX_DB_SIZE = 64 << 30
+
+# Bytes a manifest spends per chunk of its chunk list (two fixed64 words).
+MANIFEST_BYTES_PER_CHUNK = 16
+
+# Room in a manifest for bundled chunks: writers bundle at most 17 chunks of
+# 64 KiB (chunk 0 and up to 16 b-tree tops, VN_MANIFEST_MAX_EXTRA in the C
+# writer), i.e. 1.06 MiB plus a few bytes of keys each; 2 MiB leaves headroom.
+MANIFEST_BUNDLED_ALLOWANCE = 2 << 20
+
+# Room for the other fields (fingerprints, len, ctime, version_id,
+# generated_by, protobuf tags): under a KiB in practice; 64 KiB tolerates long
+# free-form tags without mattering next to the chunk list.
+MANIFEST_OTHER_ALLOWANCE = 64 << 10
+
+# A zstd frame may be a little longer than its content (incompressible
+# data): ZSTD_COMPRESSBOUND(n) = n + n/256 + at most 64 bytes below 128 KiB;
+# this covers the constant part and the frame header.
+ZSTD_FRAME_SLACK = 1 << 10
+
+# The largest chunk object accepted from a store: a zstd frame of 64 KiB
+# (ZSTD_COMPRESSBOUND(65536) = 65536 + 256 + 32 = 65824 bytes at worst) plus
+# room for frame options (the largest frame header, a content checksum, a
+# dictionary id), rounded up to 64 KiB + 1 KiB.  A raw chunk is at most
+# 64 KiB anyway.
+MAX_CHUNK_BLOB_BYTES = CHUNK_SIZE + 1024
 MANIFEST_ZSTD_LEVEL = 1   # FORMAT.md: manifests change on every commit; be cheap.
 CHUNK_ZSTD_LEVEL = 3      # FORMAT.md: zstd's default level for chunks.
 HEADER_BYTES = 100        # SQLite's file header, covered by header_fprint.
@@ -39,12 +75,128 @@ class ChunkError(ValueError):
     """A chunk blob whose bytes do not match the fingerprint that names it."""
 
 
+class ChunkList(Sequence):
+    """A manifest's chunk list: the fingerprints as u64 words major0, minor0,
+    major1, ... in one `array('Q')`, 16 bytes per chunk and no Python object
+    per chunk (a 64 GiB database has a million chunks).
+
+    Reads like the `list[Fprint]` it stands for: `len`, indexing (negative
+    too) and iteration give `Fprint`s, a slice gives a list, `in` and
+    `index` search the words, and it equals another ChunkList or any list or
+    tuple of the same fingerprints.  It is never modified in place.
+    """
+
+    __slots__ = ("_words",)
+
+    def __init__(self, chunks: Iterable[Fprint] = ()) -> None:
+        if isinstance(chunks, ChunkList):
+            self._words = chunks._words
+            return
+        words = array("Q")
+        for major, minor in chunks:
+            words.append(major)
+            words.append(minor)
+        self._words = words
+
+    @classmethod
+    def from_words(cls, words) -> "ChunkList":
+        """The list whose words are `words` (an even number of u64 values:
+        an `array('Q')`, taken as is, or any iterable of ints)."""
+        if not (isinstance(words, array) and words.typecode == "Q"):
+            words = array("Q", words)
+        if len(words) % 2:
+            raise ValueError("a chunk list has an even number of words, not %d" % len(words))
+        self = cls.__new__(cls)
+        self._words = words
+        return self
+
+    @property
+    def words(self) -> array:
+        """The words, in host byte order (do not modify)."""
+        return self._words
+
+    def words_le(self):
+        """The words as little-endian bytes (a bytes-like object)."""
+        if sys.byteorder == "little":
+            return memoryview(self._words).cast("B")
+        swapped = array("Q", self._words)
+        swapped.byteswap()
+        return swapped.tobytes()
+
+    def __len__(self) -> int:
+        return len(self._words) >> 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        n = len(self._words) >> 1
+        index = index.__index__()
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("chunk index out of range")
+        w = self._words
+        return Fprint(w[2 * index], w[2 * index + 1])
+
+    def __iter__(self) -> Iterator[Fprint]:
+        it = iter(self._words)
+        return itertools.starmap(Fprint, zip(it, it))
+
+    def _find(self, fp) -> int:
+        """Index of the first chunk equal to `fp`, or -1."""
+        try:
+            major, minor = fp
+        except (TypeError, ValueError):
+            return -1
+        w = self._words
+        start = 0
+        while True:
+            try:
+                at = w.index(major, start)
+            except (ValueError, TypeError, OverflowError):
+                return -1
+            if at % 2 == 0 and w[at + 1] == minor:
+                return at >> 1
+            start = at + 1
+
+    def __contains__(self, fp) -> bool:
+        return self._find(fp) >= 0
+
+    def index(self, fp, start: int = 0, stop: Optional[int] = None) -> int:
+        if start == 0 and stop is None:
+            at = self._find(fp)
+            if at >= 0:
+                return at
+            raise ValueError("%r is not in the chunk list" % (fp,))
+        return super().index(fp, start, len(self) if stop is None else stop)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, ChunkList):
+            return self._words == other._words
+        if isinstance(other, (list, tuple)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # compares equal to lists
+
+    def __reduce__(self):
+        return (ChunkList.from_words, (self._words,))
+
+    def __repr__(self) -> str:
+        n = len(self)
+        shown = ", ".join(fp.name for fp in itertools.islice(self, 3))
+        return "ChunkList(%d chunks: %s%s)" % (n, shown, ", ..." if n > 3 else "")
+
+
 @dataclasses.dataclass
 class Manifest:
-    """One snapshot: the file's length, its chunk list and metadata."""
+    """One snapshot: the file's length, its chunk list and metadata.
+
+    `chunks` may be given as any sequence of `Fprint`s; it is stored as a
+    `ChunkList`."""
 
     len: int
-    chunks: list[Fprint]
+    chunks: ChunkList
     header_fprint: Fprint
     contents_fprint: Fprint
     version_id: bytes = b""
@@ -53,6 +205,10 @@ class Manifest:
     bundled: dict[int, bytes] = dataclasses.field(default_factory=dict)
     base_chunks_fprint: Optional[Fprint] = None
     generated_by: bytes = GENERATED_BY
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunks, ChunkList):
+            self.chunks = ChunkList(self.chunks)
 
     def chunk_length(self, index: int) -> int:
         """Byte length of chunk `index` (the last one may be short)."""
@@ -64,15 +220,44 @@ def chunk_count(length: int) -> int:
     return (length + CHUNK_SIZE - 1) // CHUNK_SIZE
 
 
-def words_of(chunks: list[Fprint]) -> bytes:
-    """The little-endian u64 words major0, minor0, major1, ... of a list."""
-    flat = [w for fp in chunks for w in fp]
-    return struct.pack("<%dQ" % len(flat), *flat)
+ChunksLike = Union[ChunkList, Iterable[Fprint]]
 
 
-def contents_fprint_of(chunks: list[Fprint]) -> Fprint:
+def _as_chunk_list(chunks: ChunksLike) -> ChunkList:
+    return chunks if isinstance(chunks, ChunkList) else ChunkList(chunks)
+
+
+def words_of(chunks: ChunksLike) -> bytes:
+    """The little-endian u64 words major0, minor0, major1, ... of a chunk
+    list (a ChunkList or any iterable of Fprints)."""
+    return bytes(_as_chunk_list(chunks).words_le())
+
+
+def contents_fprint_of(chunks: ChunksLike) -> Fprint:
     """`contents_fprint`: the directory-key fingerprint of the chunk words."""
-    return fingerprint(words_of(chunks), DIRECTORY_KEY)
+    return fingerprint(_as_chunk_list(chunks).words_le(), DIRECTORY_KEY)
+
+
+def manifest_blob_limit(max_db_size: int) -> int:
+    """The largest manifest blob accepted for a database of at most
+    `max_db_size` bytes: the bound on the stored object (raw protobuf or a
+    zstd frame of it) and on its decompressed size.  16 bytes per chunk,
+    room for bundled chunks and the other fields, and zstd's worst-case
+    expansion; never more than MAX_MANIFEST_BYTES."""
+    if max_db_size < 0:
+        raise ValueError("max_db_size must not be negative, got %d" % max_db_size)
+    raw = (MANIFEST_BYTES_PER_CHUNK * chunk_count(max_db_size)
+           + MANIFEST_BUNDLED_ALLOWANCE + MANIFEST_OTHER_ALLOWANCE)
+    return min(MAX_MANIFEST_BYTES, raw + (raw >> 8) + ZSTD_FRAME_SLACK)
+
+
+def format_size(n: int) -> str:
+    """`n` bytes for messages: "64 GiB", "512 MiB", "1.5 TiB" or "1234 bytes"."""
+    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift:
+            value = n / (1 << shift)
+            return ("%d %s" % (value, unit)) if value == int(value) else ("%.1f %s" % (value, unit))
+    return "%d bytes" % n
 
 
 def header_fprint_of(data) -> Fprint:
@@ -89,6 +274,14 @@ def xor_words(words: list[int], base: bytes) -> list[int]:
     n = min(len(base) // 8, len(words))
     base_words = struct.unpack("<%dQ" % n, base[:8 * n])
     return [w ^ base_words[i] for i, w in enumerate(words[:n])] + words[n:]
+
+
+def _xor_array(words: array, base: bytes) -> None:
+    """XOR `words` (an array('Q'), in place) with the u64 words of `base`
+    (at most 64 KiB, so at most 8192 words are touched)."""
+    n = min(len(base) // 8, len(words))
+    for i, b in enumerate(struct.unpack("<%dQ" % n, base[:8 * n])):
+        words[i] ^= b
 
 
 def encode_manifest(m: Manifest, base: Optional[bytes] = None) -> bytes:
@@ -109,17 +302,19 @@ def encode_manifest(m: Manifest, base: Optional[bytes] = None) -> bytes:
     if m.base_chunks_fprint is not None:
         _set_fp(v1.base_chunks_fprint, m.base_chunks_fprint)
     v1.generated_by = m.generated_by
-    words = [w for fp in m.chunks for w in fp]
+    chunks = _as_chunk_list(m.chunks)
+    words = chunks.words
     if m.base_chunks_fprint is not None:
         if base is None or fingerprint(base, CHUNK_KEY) != m.base_chunks_fprint or len(base) % 16:
             raise ValueError("encode_manifest needs the base chunk's bytes (a multiple of 16)")
-        words = xor_words(words, base)
+        words = array("Q", words)
+        _xor_array(words, base)
     v1.chunks.extend(words)
     for index in sorted(m.bundled):
         b = v1.bundled_chunks.add()
         b.chunk_index = index
         b.chunk_offset = index * CHUNK_SIZE
-        _set_fp(b.chunk_fprint, m.chunks[index])
+        _set_fp(b.chunk_fprint, chunks[index])
         b.chunk_data = m.bundled[index]
     return top.SerializeToString()
 
@@ -134,32 +329,63 @@ def compress_chunk(raw: bytes) -> bytes:
     return zstandard.ZstdCompressor(level=CHUNK_ZSTD_LEVEL).compress(raw)
 
 
+class _PastLimit(zstandard.ZstdError):
+    """A zstd frame whose content is longer than the caller's limit."""
+
+
+# Output read at a time when measuring a frame that failed to decompress:
+# bounds the memory spent telling "too long" from "broken".
+_PROBE_PIECE = 1 << 20
+
+
+def _longer_than(blob: bytes, limit: int) -> bool:
+    """Whether the frame's content runs past `limit` bytes (reading at most
+    limit + 1 bytes of output, a piece at a time, keeping none)."""
+    total = 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(blob) as reader:
+            while total <= limit:
+                piece = reader.read(min(_PROBE_PIECE, limit + 1 - total))
+                if not piece:
+                    break
+                total += len(piece)
+    except zstandard.ZstdError:
+        pass
+    return total > limit
+
+
 def _decompress_bounded(blob: bytes, limit: int) -> bytes:
-    """zstd-decompress a whole frame of at most `limit` bytes; ZstdError past
-    that (a decompression bomb stops early), or on a broken or cut frame."""
-    with zstandard.ZstdDecompressor().stream_reader(blob) as reader:
-        probe = reader.read(limit + 1)
-    if len(probe) > limit:
-        raise zstandard.ZstdError("decompresses past %d bytes" % limit)
-    # The output is known to be small now; decode again to learn whether the
-    # frame was complete (the stream reader stops quietly at a cut frame).
-    dobj = zstandard.ZstdDecompressor().decompressobj()
-    out = dobj.decompress(blob)
-    if not dobj.eof:
-        raise zstandard.ZstdError("truncated zstd frame")
-    return out
+    """zstd-decompress one whole frame of at most `limit` bytes (any bytes
+    after it are ignored).  `_PastLimit` (a ZstdError) when the frame declares
+    or produces more, never holding more than `limit` + 1 bytes of output (a
+    decompression bomb stops early); ZstdError on a broken or cut frame."""
+    declared = zstandard.get_frame_parameters(blob).content_size
+    unknown = declared in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR)
+    if not unknown and declared > limit:
+        raise _PastLimit("declares %d bytes, more than %d" % (declared, limit))
+    try:
+        # One pass: the output buffer is the declared size, or `limit` bytes
+        # when the frame does not declare one (then a longer frame fails).
+        return zstandard.ZstdDecompressor().decompress(blob, max_output_size=max(limit, 1))
+    except zstandard.ZstdError:
+        if unknown and _longer_than(blob, limit):
+            raise _PastLimit("decompresses past %d bytes" % limit) from None
+        raise
 
 
-def _decompress_manifest(blob: bytes) -> bytes:
+def _size_limit_detail(max_db_size: int) -> str:
+    return "the limit for databases of up to %s (max_db_size, configurable)" % format_size(max_db_size)
+
+
+def _decompress_manifest(blob: bytes, limit: int, max_db_size: int) -> bytes:
     if not blob.startswith(ZSTD_MAGIC):
-        if len(blob) > MAX_MANIFEST_BYTES:
-            raise ManifestError("size-limit", "%d bytes exceeds %d" % (len(blob), MAX_MANIFEST_BYTES))
         return blob
     try:
-        return _decompress_bounded(blob, MAX_MANIFEST_BYTES)
-    except zstandard.ZstdError as e:
-        if "past" in str(e):
-            raise ManifestError("size-limit", "decompresses past %d bytes" % MAX_MANIFEST_BYTES) from None
+        return _decompress_bounded(blob, limit)
+    except _PastLimit:
+        raise ManifestError("size-limit", "zstd frame decompresses past %d bytes, %s"
+                            % (limit, _size_limit_detail(max_db_size))) from None
+    except zstandard.ZstdError:
         return blob  # FORMAT.md: a manifest that fails to decompress is tried raw
 
 
@@ -192,27 +418,46 @@ def decode_chunk(blob: bytes, expected: Fprint) -> bytes:
 
 
 def decode_and_validate(blob: bytes,
-                        fetch_chunk: Optional[Callable[[Fprint], bytes]] = None) -> Manifest:
+                        fetch_chunk: Optional[Callable[[Fprint], bytes]] = None, *,
+                        max_db_size: int = DEFAULT_MAX_DB_SIZE) -> Manifest:
     """Decode a manifest blob (zstd or raw) and apply every rule of FORMAT.md.
 
     `fetch_chunk(fprint)` returns a chunk's (verified) bytes; it is needed only
     for manifests whose chunk list is XOR-ed with a base chunk.
+
+    `max_db_size` bounds the work a manifest can cause: a blob longer than
+    `manifest_blob_limit(max_db_size)`, a frame that decompresses past it, or
+    a `len` above `max_db_size` is refused with rule "size-limit", and the
+    chunk count is checked against `len` before any per-chunk work.
     """
-    raw = _decompress_manifest(bytes(blob))
+    limit = manifest_blob_limit(max_db_size)
+    if len(blob) > limit:
+        raise ManifestError("size-limit", "blob of %d bytes is larger than %d bytes, %s"
+                            % (len(blob), limit, _size_limit_detail(max_db_size)))
+    raw = _decompress_manifest(bytes(blob), limit, max_db_size)
     if raw.startswith(ZSTD_MAGIC):
         # Tried as raw protobuf, the magic reads as top-level field 5 with
         # varint type, which a Manifest never has: this is a broken frame.
         raise ManifestError("zstd", "zstd frame that does not decompress")
     top = _parse(raw)
+    del raw
     if not top.HasField("v1"):
         raise ManifestError("v1-missing", "no ManifestV1 in the message")
     v1 = top.v1
     for field in ("header_fprint", "contents_fprint"):
         if not v1.HasField(field):
             raise ManifestError(field.replace("_", "-") + "-missing", "%s is absent" % field)
-    words = list(v1.chunks)
-    if len(words) % 2:
-        raise ManifestError("chunks-odd", "chunk list has an odd number (%d) of words" % len(words))
+    length = v1.len
+    if length > max_db_size:
+        raise ManifestError("size-limit", "a database of %s (%d bytes) is larger than the %s "
+                            "limit (max_db_size, configurable)"
+                            % (format_size(length), length, format_size(max_db_size)))
+    nwords = len(v1.chunks)
+    if nwords % 2:
+        raise ManifestError("chunks-odd", "chunk list has an odd number (%d) of words" % nwords)
+    if chunk_count(length) != nwords // 2:
+        raise ManifestError("length", "%d chunks cannot hold %d bytes" % (nwords // 2, length))
+    words = array("Q", v1.chunks)
     base_fp = None
     if v1.HasField("base_chunks_fprint"):
         base_fp = _fp(v1.base_chunks_fprint)
@@ -226,14 +471,11 @@ def decode_and_validate(blob: bytes,
             raise ManifestError("base-chunk", "base chunk %s has other bytes" % base_fp.name)
         if len(base) % 16:
             raise ManifestError("base-chunk", "base chunk length %d is not a multiple of 16" % len(base))
-        words = xor_words(words, base)
-    chunks = [Fprint(words[i], words[i + 1]) for i in range(0, len(words), 2)]
+        _xor_array(words, base)
+    chunks = ChunkList.from_words(words)
     contents = _fp(v1.contents_fprint)
     if contents_fprint_of(chunks) != contents:
         raise ManifestError("contents-fprint", "chunk list does not match contents_fprint")
-    length = v1.len
-    if chunk_count(length) != len(chunks):
-        raise ManifestError("length", "%d chunks cannot hold %d bytes" % (len(chunks), length))
     m = Manifest(len=length, chunks=chunks, header_fprint=_fp(v1.header_fprint),
                  contents_fprint=contents, version_id=bytes(v1.version_id),
                  ctime=v1.ctime, ctime_ns=v1.ctime_ns, base_chunks_fprint=base_fp,

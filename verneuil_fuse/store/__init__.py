@@ -11,8 +11,8 @@ This package owns every access to blob storage; boto3 is imported only here
   for modules that need other keys (``replication_spooling_dir``, ...).
 - `Store` (``chunks``, ``manifests``, ``url``), the `Backend` protocol,
   `ObjectInfo`, `VersionInfo`, and the errors: `StoreError` > `NotFound`,
-  `BucketNotFound`, `AccessDenied`, `TransientError`, `InvalidKey`,
-  `ConfigError`.
+  `BucketNotFound`, `AccessDenied`, `TransientError`, `TooLarge`,
+  `InvalidKey`, `ConfigError`.
 - Implementations: `LocalBackend` (here) and `S3Backend` / `make_client`
   (``verneuil_fuse.store.s3``, imported lazily on attribute access).
 """
@@ -31,6 +31,7 @@ from .base import (
     ObjectInfo,
     Store,
     StoreError,
+    TooLarge,
     TransientError,
     VersionInfo,
     check_key,
@@ -52,6 +53,7 @@ __all__ = [
     "S3Backend",
     "Store",
     "StoreError",
+    "TooLarge",
     "TransientError",
     "VersionInfo",
     "check_key",

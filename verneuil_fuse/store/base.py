@@ -19,6 +19,8 @@ rely on:
   - `AccessDenied`: credentials missing, refused or not allowed to do this.
   - `TransientError`: worth retrying (5xx, SlowDown, timeouts, connection
     errors, a full or flaky local disk); callers own the retry loop.
+  - `TooLarge`: the object is larger than the `max_bytes` the caller allowed
+    (`get`, `get_version`); never worth a retry.
   - `InvalidKey`: a key that is not a single flat blob name (see `check_key`).
   - `ConfigError`: a store spec that cannot be understood (one-line message).
 
@@ -71,6 +73,32 @@ class AccessDenied(StoreError):
 
 class TransientError(StoreError):
     """A failure that may go away on retry: 5xx, throttling, timeouts, network."""
+
+
+class TooLarge(StoreError):
+    """The object is larger than the caller's bound (`max_bytes`); it was not
+    read.  Not transient: whoever wrote it must replace it, or the caller
+    must allow more."""
+
+    def __init__(self, message: str, *, key: str | None = None, size: int | None = None,
+                 bound: int | None = None) -> None:
+        super().__init__(message, key=key)
+        self.size = size
+        self.bound = bound
+
+
+def check_max_bytes(max_bytes: int | None) -> None:
+    """Validate the `max_bytes` bound given to `Backend.get`/`get_version`."""
+    if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+        raise ValueError(f"max_bytes must be None or an int >= 0, not {max_bytes!r}")
+
+
+def too_large(op: str, where: str, key: str, size: int | None, bound: int) -> TooLarge:
+    """The TooLarge error for `key` at `where`: `size` bytes (None: more than
+    `bound`, learnt while reading) against a bound of `bound` bytes."""
+    what = f"{size} bytes" if size is not None else f"more than {bound} bytes"
+    return TooLarge(f"{op} {where}: object is {what}, larger than the {bound}-byte bound",
+                    key=key, size=size, bound=bound)
 
 
 class InvalidKey(StoreError, ValueError):
@@ -155,11 +183,18 @@ class Backend(Protocol):
     """One bucket (or directory) of blobs, accessed synchronously.
 
     All methods raise `StoreError` subclasses only (plus `ValueError` for a
-    malformed byte range).  Keys are checked with `check_key`.
+    malformed byte range or bound).  Keys are checked with `check_key`.
     """
 
-    def get(self, key: str) -> bytes:
-        """The whole blob.  `NotFound` if it does not exist."""
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The whole blob.  `NotFound` if it does not exist.
+
+        With `max_bytes`, an object larger than that is `TooLarge`: its size is
+        checked before its bytes are read (directory: fstat of the open file;
+        S3: the response's Content-Length) and at most `max_bytes` + 1 bytes
+        are ever read, so an object that grows or lies about its size is
+        refused too.  Callers reading what anyone with write access to the
+        store may have put there pass a bound."""
         ...
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
@@ -200,8 +235,9 @@ class Backend(Protocol):
         version id "null"."""
         ...
 
-    def get_version(self, key: str, version_id: str) -> bytes:
-        """One version of a blob.  `NotFound` if that version does not exist."""
+    def get_version(self, key: str, version_id: str, max_bytes: int | None = None) -> bytes:
+        """One version of a blob.  `NotFound` if that version does not exist;
+        `max_bytes` as for `get` (`TooLarge`, nothing past the bound read)."""
         ...
 
     def touch(self, key: str) -> None:

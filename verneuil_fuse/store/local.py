@@ -35,8 +35,10 @@ from .base import (
     TransientError,
     VersionInfo,
     check_key,
+    check_max_bytes,
     check_prefix,
     check_range,
+    too_large,
 )
 
 logger = logging.getLogger(__name__)
@@ -211,25 +213,47 @@ class LocalBackend:
 
     # -- Backend ---------------------------------------------------------
 
-    @staticmethod
-    def _open_blob(path: str):
-        """The blob file itself: a symlink planted under a key is refused
-        (ELOOP), so no key reads a file outside the directory."""
-        return open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW))
+    def _open_blob(self, path: str, key: str):
+        """The blob file itself, open for reading.  A symlink planted under a
+        key is refused (ELOOP), so no key reads a file outside the directory;
+        so is anything but a regular file (a FIFO would block its readers:
+        it is opened non-blocking and refused)."""
+        f = open(path, "rb",
+                 opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW | os.O_NONBLOCK))
+        try:
+            st = os.fstat(f.fileno())
+        except BaseException:
+            f.close()
+            raise
+        if not stat.S_ISREG(st.st_mode):
+            f.close()
+            raise StoreError(f"read {path}: not a regular file, not a blob", key=key)
+        return f, st
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        check_max_bytes(max_bytes)
         path = self._path(key)
         try:
-            with self._open_blob(path) as f:
-                return f.read()
+            f, st = self._open_blob(path, key)
+            with f:
+                if max_bytes is None:
+                    return f.read()
+                if st.st_size > max_bytes:
+                    raise too_large("read", path, key, st.st_size, max_bytes)
+                # Never more than the bound + 1, even if the file grew since.
+                data = f.read(max_bytes + 1)
         except OSError as err:
             raise self._error(err, "read", key) from None
+        if len(data) > max_bytes:
+            raise too_large("read", path, key, None, max_bytes)
+        return data
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         path = self._path(key)
         check_range(start, end)
         try:
-            with self._open_blob(path) as f:
+            f, _ = self._open_blob(path, key)
+            with f:
                 if start == end:
                     return b""
                 f.seek(start)
@@ -346,9 +370,10 @@ class LocalBackend:
             raise self._error(err, "stat", key) from None
         return [VersionInfo(key, NULL_VERSION_ID, st.st_size, st.st_mtime, True)]
 
-    def get_version(self, key: str, version_id: str) -> bytes:
+    def get_version(self, key: str, version_id: str, max_bytes: int | None = None) -> bytes:
+        check_max_bytes(max_bytes)
         if version_id == NULL_VERSION_ID:
-            return self.get(key)
+            return self.get(key, max_bytes)
         path = self._path(key)
         if self._root_missing():
             raise BucketNotFound(f"directory {self.root} does not exist", key=key)

@@ -36,8 +36,10 @@ from .base import (
     TransientError,
     VersionInfo,
     check_key,
+    check_max_bytes,
     check_prefix,
     check_range,
+    too_large,
 )
 
 logger = logging.getLogger(__name__)
@@ -298,14 +300,51 @@ class S3Backend:
         except Exception as exc:
             raise self._error(exc, op, key) from exc
 
-    def _read_body(self, op: str, key: str, response: dict[str, Any]) -> bytes:
+    def _read_body(
+        self,
+        op: str,
+        key: str,
+        response: dict[str, Any],
+        max_bytes: int | None = None,
+        read_at_most: int | None = None,
+    ) -> bytes:
+        """The response's body.  `max_bytes`: TooLarge, before reading, when
+        Content-Length says more; otherwise at most max_bytes + 1 bytes are
+        read (TooLarge if that many came).  `read_at_most`: read no more
+        than that many bytes and return them (a range).  Closing the body
+        early drops the connection instead of draining the rest."""
         body = response["Body"]
+        length = response.get("ContentLength")
         try:
+            if max_bytes is not None:
+                if isinstance(length, int) and length > max_bytes:
+                    raise too_large(op, self._where(key), key, length, max_bytes)
+                data = body.read(max_bytes + 1)
+                if len(data) > max_bytes:
+                    raise too_large(op, self._where(key), key, None, max_bytes)
+                self._check_complete(op, key, data, length)
+                return data
+            if read_at_most is not None:
+                data = body.read(read_at_most)
+                if isinstance(length, int):
+                    self._check_complete(op, key, data, min(length, read_at_most))
+                return data
             return body.read()
+        except StoreError:
+            raise
         except Exception as exc:
             raise self._error(exc, op, key) from exc
         finally:
             body.close()
+
+    def _check_complete(self, op: str, key: str, data: bytes, expected: int | None) -> None:
+        """A bounded read does not check Content-Length itself: a body cut
+        short is a TransientError, as botocore reports it for whole reads."""
+        if isinstance(expected, int) and len(data) < expected:
+            raise TransientError(
+                f"{op} {self._where(key)}: body ended after {len(data)} of {expected} bytes",
+                key=key,
+            )
 
     def _check_bucket(self, op: str, key: str | None) -> None:
         """Raise BucketNotFound if the bucket is missing (checked at most once
@@ -366,9 +405,10 @@ class S3Backend:
 
     # -- Backend ---------------------------------------------------------
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        check_max_bytes(max_bytes)
         response = self._call("get", key, self.client.get_object, Key=self._full(key))
-        return self._read_body("get", key, response)
+        return self._read_body("get", key, response, max_bytes)
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         full = self._full(key)
@@ -388,8 +428,9 @@ class S3Backend:
                 if code in RANGE_NOT_SATISFIABLE_CODES:
                     return b""  # the range starts at or past the end
             raise
-        data = self._read_body("get range of", key, response)
-        # A server ignoring Range would answer 200 with the whole object.
+        # A server ignoring Range would answer 200 with the whole object:
+        # read only as far as `end` of it, never the rest.
+        data = self._read_body("get range of", key, response, read_at_most=end)
         if response.get("ContentRange") is None and len(data) > end - start:
             data = data[start:end]
         return data
@@ -477,7 +518,8 @@ class S3Backend:
             kwargs["KeyMarker"] = page.get("NextKeyMarker")
             kwargs["VersionIdMarker"] = page.get("NextVersionIdMarker")
 
-    def get_version(self, key: str, version_id: str) -> bytes:
+    def get_version(self, key: str, version_id: str, max_bytes: int | None = None) -> bytes:
+        check_max_bytes(max_bytes)
         try:
             response = self._call(
                 "get version", key, self.client.get_object, Key=self._full(key), VersionId=version_id
@@ -491,7 +533,7 @@ class S3Backend:
                         f"get version {self._where(key)}: no version {version_id!r}", key=key
                     ) from cause
             raise
-        return self._read_body("get version", key, response)
+        return self._read_body("get version", key, response, max_bytes)
 
     def touch(self, key: str) -> None:
         full = self._full(key)

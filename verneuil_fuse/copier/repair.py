@@ -1,0 +1,379 @@
+"""Repair a store that lost chunks: upload again, from the source database
+file, the chunks that a database's current manifest names and the store no
+longer has (`verneuilctl repair`).
+
+Copiers upload what writers stage, and writers stage only the chunks a
+commit changed: once the store has lost chunk objects (an S3 bucket that came
+back empty, a lifecycle rule that expired live chunks), nothing puts back the
+chunks of a database that does not change.  `repair_database` does, for one
+database:
+
+1. `find_manifest`: its current manifest in the store.  A lost base chunk
+   (Verneuil writers XOR long chunk lists with one) is rebuilt from the
+   source file when the file still holds that snapshot's chunks;
+2. `live_chunks`: the chunk blobs that manifest needs, as the copier's touch
+   patrol sees them: every chunk but chunk 0 (always bundled, never
+   uploaded) and the zero chunk (never stored), plus the base chunk.  Other
+   bundled chunks (b-tree tops) are included: writers upload them too, and a
+   later manifest may name them without bundling them;
+3. `find_missing`: which of them the store lacks (parallel `exists`);
+4. `read_verified_chunk`: bytes whose fingerprint is the chunk's name, from
+   the manifest (bundled chunks, the rebuilt base chunk) or from one of the
+   chunk's positions in the source file;
+5. `upload_chunk`: zstd-compressed as copiers upload, with `put_if_absent`.
+
+No lock is taken on the source: every byte read is checked against the
+chunk's full 128-bit fingerprint, so a write racing with the read makes that
+chunk unrepairable from this file, never wrong in the store.  A chunk that no
+position of the file holds any more (the file changed since that snapshot)
+is reported as unrepairable: a newer snapshot has to be published first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import struct
+from typing import Callable, Optional
+
+from .. import format as fmt
+from ..format import manifest_pb2
+from ..store import NotFound, TransientError
+from . import spool as sp
+from .pacing import Backoff, retry
+from .pool import DaemonPool
+from .restore import RestoreError
+
+log = logging.getLogger(__name__)
+
+# Store requests in flight at once: the same as restore's parallel fetches.
+# `exists` is one HEAD request; 8 at a time checks some hundred chunks a
+# second on S3 without looking like a flood to a small server.
+DEFAULT_WORKERS = 8
+
+# Chunks handed to the pool at a time.  Progress is reported after each
+# batch (about a second of HEAD requests on S3 at 8 in flight), and results
+# are collected per batch, so this also bounds what is held at once.
+BATCH = 256
+
+# Called as progress(phase, done, total); phase is CHECKING or REPAIRING.
+Progress = Callable[[str, int, int], None]
+CHECKING = "checking"
+REPAIRING = "repairing"
+
+
+class NoManifest(RestoreError):
+    """The store has no manifest for this database: nothing to repair."""
+
+
+class LostBaseChunk(RestoreError):
+    """The manifest's base chunk is missing and the source cannot rebuild
+    it: without it the manifest's chunk list cannot be read."""
+
+    def __init__(self, message: str, fprint: fmt.Fprint):
+        super().__init__(message)
+        self.fprint = fprint
+
+
+@dataclasses.dataclass
+class RepairReport:
+    """What `repair_database` found and did for one database.  Chunk lists
+    hold chunk names.  `repairable`: missing chunks whose verified bytes were
+    found (uploaded unless `dry_run`); `repaired`: those uploaded."""
+
+    source: str
+    manifest: str
+    dry_run: bool = False
+    length: int = 0
+    checked: int = 0
+    missing: list[str] = dataclasses.field(default_factory=list)
+    repairable: list[str] = dataclasses.field(default_factory=list)
+    repaired: list[str] = dataclasses.field(default_factory=list)
+    unrepairable: list[str] = dataclasses.field(default_factory=list)
+    base_chunk_unrepairable: bool = False
+
+    @property
+    def complete(self) -> bool:
+        """Whether the store now holds every chunk the manifest needs."""
+        return len(self.repaired) == len(self.missing)
+
+    def as_dict(self) -> dict:
+        return {
+            "source": self.source,
+            "manifest": self.manifest,
+            "dry_run": self.dry_run,
+            "len": self.length,
+            "checked": self.checked,
+            "missing": len(self.missing),
+            "repairable": len(self.repairable),
+            "repaired": len(self.repaired),
+            "unrepairable": len(self.unrepairable),
+            "complete": self.complete,
+            "base_chunk_unrepairable": self.base_chunk_unrepairable,
+            "missing_chunks": list(self.missing),
+            "unrepairable_chunks": list(self.unrepairable),
+        }
+
+
+def _retry(fn: Callable, what: str):
+    """One store request, retried while the error is transient (the
+    copier's backoff: 6 attempts, jittered, capped at 2 s)."""
+    return retry(fn, transient=(TransientError,), backoff=Backoff(), what=what)
+
+
+# -- 1. the manifest ----------------------------------------------------------------
+
+def find_manifest(store, name: str, source: Optional[str] = None
+                  ) -> tuple[fmt.Manifest, Optional[bytes]]:
+    """The store's current manifest `name`, decoded and validated, and the
+    bytes of its base chunk when the store has lost that chunk and it was
+    rebuilt from `source` (None otherwise).  NoManifest if there is none,
+    LostBaseChunk if its base chunk is lost for good, RestoreError if it is
+    corrupt."""
+    try:
+        blob = _retry(lambda: store.manifests.get(name), "get manifest")
+    except NotFound:
+        raise NoManifest("no manifest %s in %s" % (name, store.manifests.describe())) from None
+    lost: list[fmt.Fprint] = []
+
+    def fetch(fp: fmt.Fprint) -> bytes:
+        try:
+            data = _retry(lambda: store.chunks.get(fp.name), "get base chunk")
+        except NotFound:
+            lost.append(fp)
+            raise
+        return fmt.decode_chunk(data, fp)
+
+    try:
+        return fmt.decode_and_validate(blob, fetch_chunk=fetch), None
+    except fmt.ManifestError as e:
+        if not lost:
+            raise RestoreError("corrupt manifest %s: %s" % (name, e)) from None
+    base_fp = lost[0]
+    base = rebuild_base_chunk(blob, base_fp, source) if source is not None else None
+    if base is None:
+        raise LostBaseChunk("the base chunk %s of manifest %s is missing from the store, and "
+                            "the source file no longer holds that snapshot's chunks"
+                            % (base_fp.name, name), base_fp)
+    try:
+        return fmt.decode_and_validate(blob, fetch_chunk=lambda fp: base), base
+    except fmt.ManifestError as e:
+        raise RestoreError("corrupt manifest %s: %s" % (name, e)) from None
+
+
+def _raw_manifest(blob: bytes) -> bytes:
+    """The protobuf bytes of a manifest blob (zstd or raw, as decoding
+    accepts it; only called once the blob decoded but for its base chunk)."""
+    if not blob.startswith(fmt.ZSTD_MAGIC):
+        return blob
+    import zstandard
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(blob) as reader:
+            return reader.read(fmt.MAX_MANIFEST_BYTES + 1)
+    except zstandard.ZstdError:
+        return blob
+
+
+def source_chunk_list(path: str, length: int) -> Optional[list[fmt.Fprint]]:
+    """The chunk fingerprints of the file at `path`, if it is `length` bytes
+    long; None otherwise."""
+    out = []
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size != length:
+            return None
+        for index in range(fmt.chunk_count(length)):
+            piece = f.read(fmt.CHUNK_SIZE)
+            if len(piece) != min(fmt.CHUNK_SIZE, length - index * fmt.CHUNK_SIZE):
+                return None  # truncated while being read
+            out.append(fmt.chunk_fingerprint(piece))
+    return out
+
+
+def rebuild_base_chunk(blob: bytes, base_fp: fmt.Fprint, source: str) -> Optional[bytes]:
+    """The base chunk of the manifest `blob`, rebuilt from the source file:
+    when the file still has the snapshot's chunks (its chunk list matches
+    the manifest's contents_fprint), the stored list XOR the real one gives
+    the base chunk's first words, and the length whose bytes have the base
+    chunk's fingerprint is the base chunk.  None when that cannot be done."""
+    top = manifest_pb2.Manifest()
+    try:
+        top.ParseFromString(_raw_manifest(blob))
+    except Exception:  # the protobuf runtime raises DecodeError and friends
+        return None
+    v1 = top.v1
+    stored = list(v1.chunks)
+    try:
+        real = source_chunk_list(source, v1.len)
+    except OSError:
+        return None
+    if real is None or fmt.contents_fprint_of(real) != fmt.Fprint(
+            v1.contents_fprint.major, v1.contents_fprint.minor):
+        return None
+    words = [w for fp in real for w in fp]
+    if len(words) != len(stored):
+        return None
+    # A base chunk longer than the list XOR-ed with it has words no
+    # manifest records: such a base cannot be rebuilt (and is not tried).
+    n = min(len(words), fmt.CHUNK_SIZE // 8)
+    xored = struct.pack("<%dQ" % n, *(a ^ b for a, b in zip(stored[:n], words[:n])))
+    for size in range(0, 8 * n + 1, 16):
+        if fmt.chunk_fingerprint(xored[:size]) == base_fp:
+            return xored[:size]
+    return None
+
+
+# -- 2. and 3. which chunks ---------------------------------------------------------
+
+def live_chunks(m: fmt.Manifest) -> dict[fmt.Fprint, list[int]]:
+    """The chunk blobs the store must hold for `m`, each with its positions
+    in the file (none for the base chunk), in file order."""
+    positions: dict[fmt.Fprint, list[int]] = {}
+    if m.base_chunks_fprint is not None and m.base_chunks_fprint != fmt.ZERO_CHUNK_FPRINT:
+        positions[m.base_chunks_fprint] = []
+    for index, fp in enumerate(m.chunks):
+        if index == 0 or fp == fmt.ZERO_CHUNK_FPRINT:
+            continue
+        positions.setdefault(fp, []).append(index)
+    return positions
+
+
+def find_missing(store, fps: list[fmt.Fprint], pool: DaemonPool,
+                 progress: Optional[Progress] = None) -> list[fmt.Fprint]:
+    """The chunks of `fps` the store lacks, in the order given."""
+    def exists(fp: fmt.Fprint) -> bool:
+        return _retry(lambda: store.chunks.exists(fp.name), "check chunk")
+
+    missing = []
+    for start in range(0, len(fps), BATCH):
+        batch = fps[start:start + BATCH]
+        for fp, (ok, value) in zip(batch, pool.map(exists, batch)):
+            if not ok:
+                raise value
+            if not value:
+                missing.append(fp)
+        if progress is not None:
+            progress(CHECKING, start + len(batch), len(fps))
+    return missing
+
+
+# -- 4. and 5. bytes and uploads ----------------------------------------------------
+
+def read_verified_chunk(fd: Optional[int], m: fmt.Manifest, fp: fmt.Fprint,
+                        positions: list[int], known: Optional[bytes] = None) -> Optional[bytes]:
+    """Bytes of chunk `fp` whose fingerprint matches: `known` (the rebuilt
+    base chunk), a bundled copy, else the first of `positions` in the source
+    file (open at `fd`) that still holds them.  None if nothing matches."""
+    if known is not None and fmt.chunk_fingerprint(known) == fp:
+        return known
+    for index in positions:
+        if index in m.bundled:  # verified when the manifest was decoded
+            return m.bundled[index]
+    if fd is None:
+        return None
+    for index in positions:
+        want = m.chunk_length(index)
+        data = os.pread(fd, want, index * fmt.CHUNK_SIZE)
+        if len(data) == want and fmt.chunk_fingerprint(data) == fp:
+            return data
+    return None
+
+
+def upload_chunk(store, fp: fmt.Fprint, data: bytes) -> bool:
+    """Upload one chunk as copiers do (zstd frame, content-addressed name);
+    True if this call wrote it (False: it was there already)."""
+    blob = fmt.compress_chunk(data)
+    return _retry(lambda: store.chunks.put_if_absent(fp.name, blob), "put chunk")
+
+
+# -- one database -------------------------------------------------------------------
+
+def repair_database(store, source: str, name: str, *, dry_run: bool = False,
+                    workers: int = DEFAULT_WORKERS,
+                    progress: Optional[Progress] = None) -> RepairReport:
+    """Check, and unless `dry_run` repair, the chunks of manifest `name`
+    from the database file `source`.  Raises NoManifest / RestoreError (the
+    manifest), OSError (the source cannot be read) and StoreError."""
+    report = RepairReport(source=source, manifest=name, dry_run=dry_run)
+    try:
+        m, base = find_manifest(store, name, source)
+    except LostBaseChunk as e:
+        lost = e.fprint.name
+        report.base_chunk_unrepairable = True
+        report.checked = 1
+        report.missing.append(lost)
+        report.unrepairable.append(lost)
+        return report
+    report.length = m.len
+    positions = live_chunks(m)
+    fps = list(positions)
+    report.checked = len(fps)
+    pool = DaemonPool(workers, name="repair")
+    try:
+        missing = find_missing(store, fps, pool, progress)
+        report.missing = [fp.name for fp in missing]
+        if not missing:
+            return report
+        # The file is only opened when the manifest itself cannot give
+        # every missing chunk back (bundled chunks, a rebuilt base chunk).
+        in_manifest = {fp for fp in missing if any(i in m.bundled for i in positions[fp])}
+        if base is not None:
+            in_manifest.add(m.base_chunks_fprint)
+        needs_source = any(fp not in in_manifest for fp in missing)
+        fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC) if needs_source else None
+        try:
+            def repair_one(fp: fmt.Fprint) -> str:
+                data = read_verified_chunk(fd, m, fp, positions[fp], base)
+                if data is None:
+                    return "unrepairable"
+                if not dry_run:
+                    upload_chunk(store, fp, data)
+                    return "repaired"
+                return "repairable"
+
+            for start in range(0, len(missing), BATCH):
+                batch = missing[start:start + BATCH]
+                for fp, (ok, value) in zip(batch, pool.map(repair_one, batch)):
+                    if not ok:
+                        raise value
+                    if value == "unrepairable":
+                        report.unrepairable.append(fp.name)
+                    else:
+                        report.repairable.append(fp.name)
+                        if value == "repaired":
+                            report.repaired.append(fp.name)
+                if progress is not None:
+                    progress(REPAIRING, start + len(batch), len(missing))
+        finally:
+            if fd is not None:
+                os.close(fd)
+    finally:
+        pool.close()
+    if report.repaired:
+        log.info("%s: uploaded %d missing chunks again", source, len(report.repaired))
+    return report
+
+
+# -- which databases ----------------------------------------------------------------
+
+def spool_databases(spool_dir: str, hostname: Optional[str] = None) -> list[tuple[str, str]]:
+    """(source path, manifest name) of every database of this boot in the
+    spool, sorted.  The manifest name is the one the writer staged (so the
+    host name it used), or made from the source path and `hostname` (default
+    this host) when given or when nothing is staged."""
+    sp.check_spool(spool_dir)
+    found: dict[str, str] = {}
+    for root in sp.boot_roots(spool_dir)[0]:
+        for db in sp.list_dbdirs(root):
+            source = db.source()
+            if source is None:
+                log.warning("%s: no source file recorded, skipped", db.path)
+                continue
+            names = []
+            if hostname is None:
+                names = [n for n in sp.listdir_or_empty(db.sub(sp.STAGING, sp.META))
+                         if fmt.parse_manifest_name(n) is not None]
+            if not names:
+                names = [fmt.manifest_name(source, hostname)]
+            for name in names:
+                found.setdefault(name, source)
+    return sorted((source, name) for name, source in found.items())
