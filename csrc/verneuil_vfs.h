@@ -60,6 +60,10 @@ int verneuil_vfs_set_bundle_chunks(int n);
 /* Also copy every log message to stderr (for debugging). */
 void verneuil_vfs_set_log_stderr(int on);
 
+/* Print "not replicated" warnings (a WAL database) on stderr too: on by
+ * default; VERNEUIL_CONFIG's "warn_stderr": false turns it off. */
+void verneuil_vfs_set_warn_stderr(int on);
+
 /*
  * Writes the spool directory of the database at db_path (which must exist)
  * for the spool root spool_dir into out.  Returns 0 or an errno value.

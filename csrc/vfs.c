@@ -78,6 +78,7 @@ struct vn_config {
 	double gc_weight;
 	size_t bundle_chunks;
 	int log_stderr;
+	int warn_stderr;       /* "not replicated" warnings also on stderr */
 	struct vn_keys keys;   /* immutable once initialised */
 };
 
@@ -85,6 +86,7 @@ static struct vn_config vn_config = {
 	.mutex = PTHREAD_MUTEX_INITIALIZER,
 	.gc_weight = VN_GC_WEIGHT_DEFAULT,
 	.bundle_chunks = VN_BUNDLE_CHUNKS_DEFAULT,
+	.warn_stderr = 1,
 };
 
 /* State of one wrapped main database file. */
@@ -121,6 +123,29 @@ void vn_log(int code, const char *fmt, ...)
 	sqlite3_log(code, "%s", msg);
 	pthread_mutex_lock(&vn_config.mutex);
 	to_stderr = vn_config.log_stderr;
+	pthread_mutex_unlock(&vn_config.mutex);
+	if (to_stderr)
+		fprintf(stderr, "%s\n", msg);
+}
+
+/*
+ * A database that is not replicated: logged, and printed on stderr unless
+ * "warn_stderr" is false, since neither Python nor the sqlite3 shell listens
+ * to sqlite3_log and an operator must not lose replication without a word.
+ * Callers say it once per database and reason.
+ */
+static void vn_warn(const char *fmt, ...)
+{
+	char msg[VN_LOG_MAX];
+	va_list ap;
+	int to_stderr;
+
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	sqlite3_log(SQLITE_WARNING, "%s", msg);
+	pthread_mutex_lock(&vn_config.mutex);
+	to_stderr = vn_config.warn_stderr || vn_config.log_stderr;
 	pthread_mutex_unlock(&vn_config.mutex);
 	if (to_stderr)
 		fprintf(stderr, "%s\n", msg);
@@ -202,9 +227,9 @@ static void log_wal_once(struct vn_db *db)
 	if (db->wal_logged)
 		return;
 	db->wal_logged = 1;
-	vn_log(SQLITE_NOTICE, "verneuil: %s uses journal_mode=WAL; WAL "
-	    "databases are not replicated (use a rollback journal mode)",
-	    db->canon);
+	vn_warn("verneuil: %s uses journal_mode=WAL: it is NOT replicated "
+	    "(WAL databases are not; use a rollback journal mode, e.g. "
+	    "PRAGMA journal_mode=DELETE)", db->canon);
 }
 
 /* Offsets 18 and 19 of the SQLite header: file format write / read
@@ -671,6 +696,13 @@ void verneuil_vfs_set_log_stderr(int on)
 	pthread_mutex_unlock(&vn_config.mutex);
 }
 
+void verneuil_vfs_set_warn_stderr(int on)
+{
+	pthread_mutex_lock(&vn_config.mutex);
+	vn_config.warn_stderr = on;
+	pthread_mutex_unlock(&vn_config.mutex);
+}
+
 int verneuil_vfs_db_spool_dir(const char *spool_dir, const char *db_path,
     char *out, size_t cap)
 {
@@ -813,14 +845,16 @@ static int json_skip(struct json *j, int depth)
 	return 0;
 }
 
-/* Extracts replication_spooling_dir and make_default from the top level. */
+/* Extracts replication_spooling_dir, make_default and warn_stderr (-1 when
+ * absent) from the top level. */
 static int parse_config(const char *text, size_t len, char **spool,
-    int *make_default)
+    int *make_default, int *warn_stderr)
 {
 	struct json j = { text, text + len };
 
 	*spool = NULL;
 	*make_default = 0;
+	*warn_stderr = -1;
 	json_ws(&j);
 	if (j.p >= j.end || *j.p++ != '{')
 		return -1;
@@ -849,6 +883,14 @@ static int parse_config(const char *text, size_t len, char **spool,
 		} else if (strcmp(key, "make_default") == 0 &&
 		    j.end - j.p >= 4 && memcmp(j.p, "true", 4) == 0) {
 			*make_default = 1;
+			j.p += 4;
+		} else if (strcmp(key, "warn_stderr") == 0 &&
+		    j.end - j.p >= 5 && memcmp(j.p, "false", 5) == 0) {
+			*warn_stderr = 0;
+			j.p += 5;
+		} else if (strcmp(key, "warn_stderr") == 0 &&
+		    j.end - j.p >= 4 && memcmp(j.p, "true", 4) == 0) {
+			*warn_stderr = 1;
 			j.p += 4;
 		} else if (json_skip(&j, 0) != 0) {
 			free(key);
@@ -888,7 +930,7 @@ int verneuil_vfs_register_from_env(void)
 	char *file = NULL, *spool = NULL;
 	const char *text = env;
 	size_t len = env != NULL ? strlen(env) : 0;
-	int make_default = 0, rc;
+	int make_default = 0, warn_stderr = -1, rc;
 
 	if (env != NULL && env[0] == '@') {
 		file = read_config_file(env + 1, &len);
@@ -900,13 +942,16 @@ int verneuil_vfs_register_from_env(void)
 		}
 		text = file;
 	}
-	if (text != NULL && parse_config(text, len, &spool, &make_default) != 0) {
+	if (text != NULL &&
+	    parse_config(text, len, &spool, &make_default, &warn_stderr) != 0) {
 		vn_log(SQLITE_WARNING, "verneuil: VERNEUIL_CONFIG is not a JSON "
 		    "object; replication disabled");
 		free(spool);
 		spool = NULL;
 		make_default = 0;
 	}
+	if (warn_stderr >= 0)
+		verneuil_vfs_set_warn_stderr(warn_stderr);
 	rc = verneuil_vfs_register(spool, make_default);
 	free(spool);
 	free(file);

@@ -486,3 +486,39 @@ def test_refused_credentials(aws_env, tmp_path):
         assert_one_line_error(run(["flush", "--store", url, "--spool", str(spool),
                                    "--timeout", "5"]), "denied")
         w.close()
+
+
+def test_version_and_the_commands_listed_when_none_is_given():
+    from verneuil_fuse import __version__
+
+    out = run(["--version"])
+    assert out.returncode == 0 and out.stdout.decode().strip() == "verneuilctl " + __version__
+    out = run([])
+    assert out.returncode == 2
+    err = out.stderr.decode()
+    for command in ("copier", "flush", "sync", "restore", "repair", "ls", "manifest", "lag", "query"):
+        assert command in err, command
+    assert "Traceback" not in err
+
+
+@pytest.mark.s3
+def test_ls_says_where_it_looked_when_the_store_is_empty(s3_server, tmp_path):
+    """An S3 URL without manifest_bucket names one bucket for both: an empty
+    listing says so, instead of an empty table alone."""
+    chunks = s3_server.new_bucket("chunks")
+    manifests = s3_server.new_bucket("manifests", versioned=True)
+    out = run(["ls", "--store", s3_server.url(chunks)])
+    assert out.returncode == 0
+    err = out.stderr.decode()
+    assert "no replicated databases in s3://%s/" % chunks in err and "manifest_bucket=" in err, err
+    out = run(["ls", "--store", s3_server.url(chunks, manifests)])
+    assert out.returncode == 0
+    err = out.stderr.decode()
+    assert "no replicated databases in s3://%s" % manifests in err and "manifest_bucket=" not in err, err
+
+
+def test_query_needs_paths_and_sql():
+    out = run(["query", "only-one-thing"])
+    assert out.returncode == 2
+    err = out.stderr.decode()
+    assert "needs databases and SQL" in err and "--sql" in err and "Traceback" not in err, err

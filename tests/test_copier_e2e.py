@@ -5,6 +5,7 @@ test_copier_support.WRITER_KINDS).  Stores: a directory and moto's S3 server.
 """
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 from verneuil_fuse.copier import (Copier, fetch_manifest, restore_bytes,
                                   start_background)
 from verneuil_fuse.copier import spool as sp
+from verneuil_fuse.store import open_store
 
 from test_copier_support import (WRITER_KINDS, Writer, counter_of, store_counter,
                                  wait_for)
@@ -268,3 +270,38 @@ def test_sigterm_ends_an_idle_copier_at_once(spool, tmp_path):
             p.kill()
             p.wait(30)
         p.stderr.close()
+
+
+def test_the_copier_daemon_says_what_it_does(spool, tmp_path):
+    """At its default level, `verneuilctl copier` logs its start (spool, store,
+    pacing), each database it starts replicating (once), and its stop."""
+    w = Writer("py", spool, str(tmp_path / "app.db"))
+    p = subprocess.Popen(VERNEUILCTL + ["copier", "--store", "file://%s/store" % tmp_path,
+                                        "--spool", spool, "--poll-interval", "0.05"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 30
+        while not any("copier started" in line for line in lines) and time.monotonic() < deadline:
+            lines.append(p.stderr.readline())
+        w.bump()
+        w.bump()
+        while not any("replicating" in line for line in lines) and time.monotonic() < deadline:
+            lines.append(p.stderr.readline())
+        store = open_store("file://%s/store" % tmp_path)
+        assert wait_for(lambda: store_counter(store, w.name, str(tmp_path)) == 2, 20)
+        w.bump()
+        assert wait_for(lambda: store_counter(store, w.name, str(tmp_path)) == 3, 20)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(15) == 0
+        text = "".join(lines) + p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+        p.stderr.close()
+        w.close()
+    assert "copier started: spool %s -> " % spool in text and "30 requests/s" in text, text
+    assert text.count("replicating ") == 1 and os.path.realpath(str(tmp_path / "app.db")) in text, text
+    assert "copier stopped" in text, text
+    assert "Traceback" not in text

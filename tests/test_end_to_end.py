@@ -91,8 +91,9 @@ def test_spark_over_the_mount_equals_sources(chain):
 def test_verneuilctl_query_writes_csv(chain):
     paths, replica_dir, root = chain
     out = str(root / "result.csv")
+    # The glob as the shell expands it when left unquoted: many paths, then the SQL.
     proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "verneuilctl"), "query",
-                           os.path.join(replica_dir, "t0*.db"), QUERY, "--master", "local[2]",
+                           *sorted(glob.glob(os.path.join(replica_dir, "t0*.db"))), QUERY, "--master", "local[2]",
                            "--output", out, "--show", "5"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -645,12 +645,20 @@ def _mount_helper_and_fstab(env):
     fstab = os.path.join(env.root, "fstab")
     with open(fstab, "w") as f:
         f.write("%s %s fuse.verneuil ro,allow_other,_netdev,nofail,%s 0 0\n" % (source, mnt, opts))
+    from verneuil_fuse.mount import SYSLOG_SOCKET, default_log_file
+
+    log_file = default_log_file(mnt)
     for cmd in (["mount", "-t", "fuse.verneuil", source, mnt, "-o", "ro," + opts], ["mount", "-T", fstab, mnt]):
         pid = None
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, out.stderr
             assert is_mounted(mnt)  # live as soon as mount(8) returns
+            if not os.path.exists(SYSLOG_SOCKET):
+                # No syslog: the daemon logs to its default file and said where.
+                assert log_file in out.stderr, out.stderr
+                wait_for(lambda: "INFO verneuil_fuse.mount: mounted" in _read(log_file).decode(), 10,
+                         "the mount's start line in " + log_file)
             with open(os.path.join(mnt, ".verneuil", "stats")) as f:
                 pid = json.load(f)["mount"]["pid"]
             small = "/%s/data/small.db" % HOST
@@ -658,10 +666,14 @@ def _mount_helper_and_fstab(env):
             out = subprocess.run(["umount", mnt], capture_output=True, text=True, timeout=30)
             assert out.returncode == 0, out.stderr
             wait_for(lambda: not pid_alive(pid), 15, "the daemon to exit after umount")
+            if not os.path.exists(SYSLOG_SOCKET):
+                assert "INFO verneuil_fuse.mount: unmounted" in _read(log_file).decode()
         finally:
             unmount(mnt)
             if pid is not None:
                 stop_pid(pid, 5)
+            if os.path.exists(log_file):
+                os.unlink(log_file)
 
 
 def test_sigterm_unmounts(env):

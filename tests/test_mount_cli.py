@@ -23,8 +23,16 @@ def test_help_lists_own_options():
     out = run("--help")
     assert out.returncode == 0
     for name in ("cache_dir=", "cache_size=", "refresh=", "readahead_max=", "cache_readahead_max=", "btree_prefetch=",
-                 "concurrency=", "hydrate", "allow_other"):
+                 "concurrency=", "hydrate", "allow_other", "deadline=", "max_db_size="):
         assert name in out.stdout
+
+
+def test_version():
+    from verneuil_fuse import __version__
+
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.strip() == "verneuil " + __version__
+    assert __version__ != "0+unknown"  # the installed package's version
 
 
 @pytest.mark.parametrize("args, code, words", [

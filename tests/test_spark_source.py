@@ -105,6 +105,12 @@ def test_bad_options_are_clear(spark, tmp_path):
         spark.read.format("verneuil").load(str(tmp_path)).collect()
     with pytest.raises(Exception, match="on_error"):
         spark.read.format("verneuil").option("query", QUERY).option("on_error", "x").load(str(tmp_path)).collect()
+    # A misspelt option is an error naming the valid ones, never ignored.
+    with pytest.raises(Exception, match="unknown option on_eror; the verneuil source takes query, "):
+        spark.read.format("verneuil").option("query", QUERY).option("on_eror", "skip").load(str(tmp_path)).collect()
+    # A query that writes says so (not "cannot infer the schema").
+    with pytest.raises(Exception, match="queries cannot write"):
+        spark.read.format("verneuil").option("query", "DELETE FROM events").load(str(tmp_path)).collect()
 
 
 def make_table(path, ddl, rows):

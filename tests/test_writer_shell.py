@@ -73,11 +73,13 @@ PRAGMA verneuil_spool_dir;
     conn.close()
 
 
-def test_shell_make_default_and_wal_message(tmp_path):
+@pytest.mark.parametrize("warn", [None, False])
+def test_shell_make_default_and_wal_warning(tmp_path, warn):
+    """A database switched to WAL stops replicating, and the shell's stderr
+    says so once (no `.log` needed), unless "warn_stderr": false."""
     spool = str(tmp_path / "spool")
     db = str(tmp_path / "wal.db")
     script = f"""
-.log stderr
 .load {writer_vfs.loadable_extension_path()}
 .open {db}
 CREATE TABLE t(v);
@@ -87,13 +89,19 @@ INSERT INTO t VALUES (2);
 INSERT INTO t VALUES (3);
 PRAGMA verneuil_stats;
 """
-    out = run_shell(script, {"replication_spooling_dir": spool, "make_default": True}, tmp_path)
+    config = {"replication_spooling_dir": spool, "make_default": True}
+    if warn is not None:
+        config["warn_stderr"] = warn
+    out = run_shell(script, config, tmp_path)
     # make_default: a plain .open went through verneuil and was replicated...
     assert "wal=1" in out.stdout
     db_dir = spoolutil.db_spool_dir(spool, db)
     assert spoolutil.check_published(db_dir) >= 1
-    # ...until WAL, announced once.
-    assert out.stderr.count("WAL databases are not replicated") == 1, out.stderr
+    # ...until WAL, announced once on stderr (or not at all when silenced).
+    want = 0 if warn is False else 1
+    assert out.stderr.count("uses journal_mode=WAL: it is NOT replicated") == want, out.stderr
+    if want:
+        assert os.path.realpath(db) in out.stderr
 
 
 def test_shell_without_config_does_not_replicate(tmp_path):

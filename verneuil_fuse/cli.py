@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Any, Optional
 
+from . import __version__
+
 log = logging.getLogger("verneuilctl")
 
 EXIT_OK = 0
@@ -482,6 +484,8 @@ def cmd_ls(args) -> int:
             if args.hostname is not None and entry["hostname"] != args.hostname:
                 continue
             entries.append(entry)
+        if not entries:
+            _say_why_empty(store, args.hostname)
     finally:
         store.close()
     if args.json:
@@ -499,6 +503,19 @@ def cmd_ls(args) -> int:
         if "error" in e:
             print("warning: %s: %s" % (e["name"], e["error"]), file=sys.stderr)
     return EXIT_OK
+
+
+def _say_why_empty(store, hostname: Optional[str]) -> None:
+    """One line on stderr for a listing that found nothing: where it looked,
+    and the likely mistake of an S3 URL without manifest_bucket (one bucket
+    with both prefixes, where Verneuil's layout has two buckets)."""
+    where = store.manifests.describe()
+    text = "no replicated databases%s in %s" % (" of host %s" % hostname if hostname else "", where)
+    bucket = getattr(store.chunks, "bucket", None)
+    if bucket is not None and bucket == getattr(store.manifests, "bucket", None):
+        text += ("; this URL names one bucket for chunks and manifests (no manifest_bucket=): "
+                 "if the manifests are in a bucket of their own, add manifest_bucket=NAME")
+    print("verneuilctl: %s" % text, file=sys.stderr)
 
 
 def _manifest_dict(name: str, m) -> dict:
@@ -771,8 +788,15 @@ def cmd_query(args) -> int:
         # call to the JVM; the interruption is reported once, by main().
         for handler in logging.getLogger().handlers:
             handler.addFilter(lambda record: "%spy4j%s" % (os.sep, os.sep) not in record.pathname)
+    if args.sql is not None:
+        where, sql = args.items, args.sql
+    elif len(args.items) >= 2:
+        where, sql = args.items[:-1], args.items[-1]
+    else:
+        raise UserError("query needs databases and SQL: verneuilctl query MOUNT_OR_GLOB... 'SQL' "
+                        "(or --sql 'SQL')", EXIT_USAGE)
     try:
-        spark.run_query(args.where, args.sql, master=args.master, output=args.output,
+        spark.run_query(where, sql, master=args.master, output=args.output,
                         show=args.show, on_error=args.on_error, force=args.force)
     except spark.VerneuilSourceError as e:
         raise UserError(str(e), EXIT_USAGE) from None
@@ -865,8 +889,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", dest="verbose0", action="count", default=0,
                         help="more logging (-vv for debug)")
     parser.add_argument("-q", "--quiet", dest="quiet0", action="store_true", help="errors only")
+    parser.add_argument("--version", action="version", version="verneuilctl " + __version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
 
     p = sub.add_parser("fingerprint", parents=[common],
                        help="UMASH fingerprint of a file's bytes",
@@ -981,11 +1005,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("query", parents=[common],
                        help="one SQL query over many databases, with Spark",
                        description="Run SQL on every SQLite database under MOUNT_OR_GLOB (a "
-                                   "directory such as a verneuil mount, a glob, or a file) with "
+                                   "directory such as a verneuil mount, a glob, or files) with "
                                    "Spark; each row carries its database in _source. Shows the "
-                                   "first rows; --output writes them all.")
-    p.add_argument("where", metavar="MOUNT_OR_GLOB")
-    p.add_argument("sql", metavar="SQL")
+                                   "first rows; --output writes them all. Queries cannot write.")
+    p.add_argument("items", nargs="+", metavar="MOUNT_OR_GLOB... SQL",
+                   help="directories, globs or database files (a glob the shell expanded is "
+                        "fine), then the SQL (unless --sql gives it)")
+    p.add_argument("--sql", metavar="SQL", help="the SQL; then every positional is a path")
     p.add_argument("--output", metavar="OUT",
                    help="write the result to OUT.parquet or OUT.csv (a Spark output directory; "
                         "an existing one only with --force)")
@@ -1017,8 +1043,15 @@ def _error(message: str) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # `verneuilctl` alone: the commands, as --help lists them
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
     args.verbose += args.verbose0
     args.quiet = args.quiet or args.quiet0
+    if args.command == "copier":
+        # A daemon: its start, the databases it replicates and its stop are
+        # what an operator reads in its log, so INFO is its default.
+        args.verbose = max(args.verbose, 1)
     _setup_logging(args.verbose, args.quiet)
     from .copier import NotASpool, RestoreError, Stopped
     from .format import BadName, ChunkError, ManifestError

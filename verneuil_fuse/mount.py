@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from verneuil_fuse import __version__
 from verneuil_fuse.fetcher import DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE
 from verneuil_fuse.format import CHUNK_SIZE, DEFAULT_MAX_DB_SIZE
 
@@ -92,8 +93,11 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
                           (/sys/class/bdi/MAJ:MIN/read_ahead_kb; default
                           4096: sequential reads become 1 MiB requests,
                           several in flight)
-  log_file=PATH           log here (default: stderr with -f, else syslog)
-  log_level=LEVEL         debug, info, warning (default), error
+  log_file=PATH           log here (default: stderr with -f, else syslog, else,
+                          when /dev/log is missing, /var/log/verneuil/MNT.log
+                          as root or ~/.cache/verneuil/log/MNT.log, named on
+                          stderr before the mount detaches)
+  log_level=LEVEL         debug, info (default), warning, error
 """
 
 # The kernel's readahead for the mount. libfuse answers the kernel's INIT with
@@ -121,6 +125,12 @@ MIN_CACHE_SIZE = 16 << 20
 # just before an unmount left some 90 chunks unwritten, fetched again by the
 # next mount), but a disk too slow to take them does not hold the process.
 CACHE_DRAIN_S = 5.0
+
+# Where a daemonized mount logs by default, and where it logs when that
+# socket is missing (containers, minimal systems): as root, beside the
+# system's other logs.
+SYSLOG_SOCKET = "/dev/log"
+ROOT_LOG_DIR = "/var/log/verneuil"
 
 EXIT_USAGE = 2
 EXIT_SOURCE = 3
@@ -161,7 +171,7 @@ class Options:
     entry_timeout: float = 1.0
     read_ahead_kb: int | None = None
     log_file: str | None = None
-    log_level: str = "warning"
+    log_level: str = "info"
 
 
 _SIZE = re.compile(r"\A(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\Z", re.I)
@@ -293,6 +303,7 @@ def parse_args(argv: list[str] | None) -> Options:
     parser.add_argument("-o", dest="options", action="append", default=[], metavar="OPTIONS",
                         help="comma-separated mount options (below)")
     parser.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
+    parser.add_argument("--version", action="version", version="verneuil " + __version__)
 
     def error(message: str) -> None:
         raise UserError(message, EXIT_USAGE)
@@ -361,11 +372,9 @@ def setup_logging(opts: Options, daemon: bool) -> None:
         handler: logging.Handler = logging.FileHandler(opts.log_file)
         handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
     elif daemon:
-        if os.path.exists("/dev/log"):
-            handler = logging.handlers.SysLogHandler("/dev/log")
-            handler.setFormatter(logging.Formatter("verneuil[%(process)d]: %(levelname)s %(message)s"))
-        else:
-            handler = logging.NullHandler()
+        # run_background chose a log file when there is no syslog socket.
+        handler = logging.handlers.SysLogHandler(SYSLOG_SOCKET)
+        handler.setFormatter(logging.Formatter("verneuil[%(process)d]: %(levelname)s %(message)s"))
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -375,6 +384,39 @@ def setup_logging(opts: Options, daemon: bool) -> None:
     # session token): never below INFO, whatever log_level says.
     for name in ("botocore", "boto3", "urllib3", "s3transfer"):
         logging.getLogger(name).setLevel(max(logging.INFO, root.level))
+
+
+def default_log_file(mountpoint: str) -> str:
+    """Where a daemonized mount logs when there is no syslog: one file per
+    mount point, named after it as systemd names mount units (``/`` as
+    ``-``)."""
+    name = os.path.abspath(mountpoint).strip("/").replace("-", "\\x2d").replace("/", "-") or "-"
+    if os.getuid() == 0:
+        top = ROOT_LOG_DIR
+    else:
+        top = os.path.join(os.path.expanduser("~"), ".cache", "verneuil", "log")
+    return os.path.join(top, name + ".log")
+
+
+def choose_log_file(opts: Options) -> None:
+    """Before a daemonized mount detaches: make ``log_file`` absolute (the
+    daemon works from ``/``) and, with no syslog socket to log to, pick the
+    default log file and say so on stderr, so that no log line is lost."""
+    if opts.log_file:
+        opts.log_file = os.path.abspath(opts.log_file)
+        return
+    if os.path.exists(SYSLOG_SOCKET):
+        return
+    path = default_log_file(opts.mountpoint)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise UserError("no syslog (%s) and cannot write the log file %s: %s; give log_file=PATH"
+                        % (SYSLOG_SOCKET, path, e.strerror or e), EXIT_USAGE) from None
+    opts.log_file = path
+    sys.stderr.write("verneuil: no syslog (%s): logging to %s\n" % (SYSLOG_SOCKET, path))
 
 
 # ------------------------------------------------------------------ checks
@@ -571,7 +613,7 @@ async def serve(opts: Options, store, ready) -> None:
                         await tune_kernel_readahead(opts.mountpoint, DEFAULT_READ_AHEAD_KB, False)
                     else:
                         await tune_kernel_readahead(opts.mountpoint, opts.read_ahead_kb, True)
-                    log.warning("mounted %s on %s (%d databases)", store.url, opts.mountpoint, len(catalog.entries))
+                    log.info("mounted %s on %s (%d databases)", store.url, opts.mountpoint, len(catalog.entries))
                     state["ready"] = True
                     ready()
 
@@ -580,7 +622,7 @@ async def serve(opts: Options, store, ready) -> None:
                 async def on_signals() -> None:
                     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
                         async for signum in signals:
-                            log.warning("signal %d: unmounting", signum)
+                            log.info("signal %d: unmounting", signum)
                             pyfuse3.terminate()
                             return
 
@@ -591,14 +633,14 @@ async def serve(opts: Options, store, ready) -> None:
             if mounted:
                 mounted = False
                 pyfuse3.close(unmount=True)
-                log.warning("unmounted %s", opts.mountpoint)
+                log.info("unmounted %s", opts.mountpoint)
             # Flights cancelled, nothing mounted: the disk cache writes of
             # chunks already downloaded may finish, for a bounded time.
             writes.cancel_scope.deadline = trio.current_time() + CACHE_DRAIN_S
     finally:
         if mounted:
             pyfuse3.close(unmount=True)
-            log.warning("unmounted %s", opts.mountpoint)
+            log.info("unmounted %s", opts.mountpoint)
         if cache is not None:
             cache.close()
         store.close()
@@ -628,6 +670,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def run_background(opts: Options, wait: float = 120.0) -> int:
+    choose_log_file(opts)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the filesystem process

@@ -112,10 +112,30 @@ def balance(paths: Sequence[str], n_parts: int) -> list[list[str]]:
     return [sorted(g) for g in groups]
 
 
-def _deny_attach(action, *_args):
-    # ATTACH would open (and create) another file with the connection's
-    # default read-write flags; a query over replicas has no use for it.
-    return sqlite3.SQLITE_DENY if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH) else sqlite3.SQLITE_OK
+# Authorizer actions of statements that change a database: a query over
+# replicas is refused them with a message of its own ("queries cannot write").
+_WRITE_ACTIONS = frozenset(getattr(sqlite3, name) for name in dir(sqlite3) if name.startswith((
+    "SQLITE_INSERT", "SQLITE_UPDATE", "SQLITE_DELETE", "SQLITE_CREATE_", "SQLITE_DROP_",
+    "SQLITE_ALTER_TABLE", "SQLITE_REINDEX", "SQLITE_ANALYZE")))
+
+
+class _ReadOnlyConnection(sqlite3.Connection):
+    """A connection that remembers whether its authorizer refused a write."""
+
+    refused_write = False
+
+
+def _authorizer(con: _ReadOnlyConnection):
+    def authorize(action, *_args):
+        # ATTACH would open (and create) another file with the connection's
+        # default read-write flags; a query over replicas has no use for it.
+        if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH):
+            return sqlite3.SQLITE_DENY
+        if action in _WRITE_ACTIONS:
+            con.refused_write = True
+            return sqlite3.SQLITE_DENY
+        return sqlite3.SQLITE_OK
+    return authorize
 
 
 def connect_readonly(path: str, immutable: bool = True) -> sqlite3.Connection:
@@ -125,8 +145,8 @@ def connect_readonly(path: str, immutable: bool = True) -> sqlite3.Connection:
     shows it, instead of failing the whole database."""
     uri = "file:%s?%s" % (urllib.parse.quote(os.path.abspath(path)),
                           "immutable=1" if immutable else "mode=ro")
-    con = sqlite3.connect(uri, uri=True, check_same_thread=False)
-    con.set_authorizer(_deny_attach)
+    con = sqlite3.connect(uri, uri=True, check_same_thread=False, factory=_ReadOnlyConnection)
+    con.set_authorizer(_authorizer(con))
     con.text_factory = lambda raw: raw.decode("utf-8", "replace")
     return con
 
@@ -153,8 +173,9 @@ def infer_schema(paths: Sequence[str], query: str, immutable: bool, rows: int,
     passed over; if it fails on all of them, the last error is raised."""
     names: list[str] | None = None
     kinds: list[set] = []
-    last: Exception | None = None
+    last: str | None = None
     for path in paths[:INFER_DATABASES]:
+        con = None
         try:
             con = connect_readonly(path, immutable)
             try:
@@ -164,7 +185,9 @@ def infer_schema(paths: Sequence[str], query: str, immutable: bool, rows: int,
             finally:
                 con.close()
         except sqlite3.Error as e:
-            last = e
+            if con is not None and con.refused_write:
+                raise VerneuilSourceError("queries cannot write (replicas are read-only): %s" % query) from None
+            last = "%s: %s" % (path, e)
             continue
         if names is None:
             names = these
@@ -266,10 +289,19 @@ SUPPORTED_TYPES = (LongType, IntegerType, ShortType, ByteType, BooleanType, Doub
                    DecimalType, StringType, BinaryType, TimestampType, DateType)
 
 
+# Every option the data source reads; any other (a typo such as "on_eror")
+# is an error, not silently ignored.
+OPTIONS = ("query", "path", "paths", "on_error", "immutable", "infer_rows", "partitions")
+
+
 class _Options:
     """The data source's options, parsed and checked once."""
 
     def __init__(self, options: dict):
+        unknown = sorted(k for k in options if k.lower() not in OPTIONS)
+        if unknown:
+            raise VerneuilSourceError("unknown option%s %s; the verneuil source takes %s"
+                                      % ("s" if len(unknown) > 1 else "", ", ".join(unknown), ", ".join(OPTIONS)))
         self.query = options.get("query")
         if not self.query:
             raise VerneuilSourceError('option "query" is required')

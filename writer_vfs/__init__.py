@@ -70,6 +70,8 @@ def register(spool_dir: Optional[str] = None, make_default: bool = False) -> Opt
                       "the verneuil VFS replicates nothing", spool_dir)
             spool_dir = None
         make_default = make_default or bool(config.get("make_default", False))
+        if config.get("warn_stderr") is False:
+            set_warn_stderr(False)
     if spool_dir is not None:
         spool_dir = os.path.abspath(os.fspath(spool_dir))
         try:
@@ -116,6 +118,13 @@ def set_bundle_chunks(n: int) -> int:
 def set_log_stderr(on: bool) -> None:
     """Also print the VFS's log messages on stderr (debugging)."""
     lib.verneuil_vfs_set_log_stderr(1 if on else 0)
+
+
+def set_warn_stderr(on: bool) -> None:
+    """Print on stderr (on by default) when a database is not replicated (a
+    WAL database), once per database; VERNEUIL_CONFIG's ``"warn_stderr":
+    false`` turns it off too."""
+    lib.verneuil_vfs_set_warn_stderr(1 if on else 0)
 
 
 def db_spool_dir(db_path, spool_dir) -> str:

@@ -87,6 +87,7 @@ class _DbState:
     staged_bad: dict = dataclasses.field(default_factory=dict)    # name -> Identity
     last_raw: dict = dataclasses.field(default_factory=dict)      # name -> Fprint of raw bytes
     next_touch_check: float = 0.0                                 # time.monotonic()
+    announced: bool = False                                       # "replicating ..." logged
 
 
 def _raw_fp(raw: bytes) -> fmt.Fprint:
@@ -126,6 +127,7 @@ class Copier:
         self.stop_event = stop_event or threading.Event()
         self.wake_event = threading.Event()
         self.cleanup_interval = cleanup_interval
+        self.workers = workers
         self._pool = DaemonPool(workers)
         # Databases are handled in parallel too (their chunk uploads share
         # `_pool`, whose tasks never wait on other tasks: no deadlock).
@@ -295,7 +297,11 @@ class Copier:
         self._state(db).last_raw[name] = _raw_fp(raw)
         self._count(manifests_uploaded=1)
         self.stats.last_upload = time.time()
-        log.info("uploaded manifest %s (%d bytes, %d chunks)", name, m.len, len(m.chunks))
+        state = self._state(db)
+        if not state.announced:
+            state.announced = True
+            log.info("replicating %s to %s (manifest %s)", db.source() or db.path, self.store.describe(), name)
+        log.debug("uploaded manifest %s (%d bytes, %d chunks)", name, m.len, len(m.chunks))
         self._maybe_schedule_touch(db, m)
 
     def _store_has(self, name: str, raw: bytes) -> bool:
@@ -785,7 +791,8 @@ class Copier:
         are logged and retried with backoff (capped at a few seconds, so the
         store catches up soon after an outage ends)."""
         failures = 0
-        log.info("copier started: spool %s -> %s", self.spool_dir, self.store.describe())
+        log.info("copier started: spool %s -> %s (%s requests/s, burst %d, %d workers)", self.spool_dir,
+                 self.store.describe(), "%g" % self.bucket.rate if self.bucket.rate else "unpaced", self.bucket.burst, self.workers)
         try:
             while not self.stop_event.is_set():
                 try:
