@@ -522,3 +522,27 @@ def test_query_needs_paths_and_sql():
     assert out.returncode == 2
     err = out.stderr.decode()
     assert "needs databases and SQL" in err and "--sql" in err and "Traceback" not in err, err
+
+
+def test_lag_says_a_wal_database_is_not_replicated(replicated):
+    w, spool, url = replicated
+    other = sqlite3.connect(w.path)
+    assert other.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
+    other.close()
+    (db,) = json.loads(run(["lag", "--store", url, "--spool", spool, "--json"]).stdout)
+    assert db["wal"] is True
+    text = run(["lag", "--store", url, "--spool", spool]).stdout.decode()
+    assert "WAL: NOT replicated" in text and "in sync" not in text.split("last snapshot")[0], text
+
+
+def test_sqlite_extension_path_loads_in_the_shell(tmp_path):
+    """README: `.load $(verneuilctl sqlite-extension)` works from any directory."""
+    import shutil
+
+    path = run(["sqlite-extension"]).stdout.decode().strip()
+    assert os.path.isfile(path), path
+    if shutil.which("sqlite3") is None:
+        pytest.skip("the sqlite3 shell is not installed")
+    out = subprocess.run(["sqlite3", "-cmd", ".load %s" % path, ":memory:", "PRAGMA verneuil_stats;"],
+                         capture_output=True, text=True, cwd=str(tmp_path), timeout=60)
+    assert out.returncode == 0, out.stderr

@@ -214,6 +214,15 @@ def cmd_manifest_name(args) -> int:
     return EXIT_OK
 
 
+def cmd_sqlite_extension(args) -> int:
+    try:
+        import writer_vfs
+        print(writer_vfs.loadable_extension_path())
+    except (ImportError, FileNotFoundError) as e:
+        raise UserError("the SQLite extension is not built (reinstall the package): %s" % e) from None
+    return EXIT_OK
+
+
 def cmd_copier(args) -> int:
     # The handlers go in first: making the copier imports boto3 (a few
     # hundred ms), and a SIGTERM in that time must still end it cleanly.
@@ -606,7 +615,10 @@ def cmd_lag(args) -> int:
         else:
             state = ("in sync" if db["in_sync"] else
                      "behind %.1fs" % lag if lag is not None else "pending")
-        if db["source_changed"]:
+        if db.get("wal"):
+            state = ("WAL: NOT replicated (the database is in journal_mode=WAL; replication resumes "
+                     "after PRAGMA journal_mode=DELETE); last snapshot: " + state)
+        elif db["source_changed"]:
             state += " (the source changed since its last snapshot)"
         print("%s: %s" % (db["source"] or db["dbdir"], state))
         for m in db["manifests"]:
@@ -912,6 +924,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hostname", help="host name (PATH is then used as written)")
     p.add_argument("path", metavar="PATH")
     p.set_defaults(func=cmd_manifest_name)
+
+    p = sub.add_parser("sqlite-extension", parents=[common],
+                       help="path of the loadable SQLite extension (for .load)",
+                       description="Print the path of the writer's loadable SQLite extension, "
+                                   "for the sqlite3 shell: .load $(verneuilctl sqlite-extension)")
+    p.set_defaults(func=cmd_sqlite_extension)
 
     p = sub.add_parser("copier", parents=[common, store, spool, pacing],
                        help="copy a spool to a store until SIGTERM/SIGINT",

@@ -60,10 +60,29 @@ def _store_manifest_raw(store, name: str, staged: bytes) -> Optional[bytes]:
     return blob
 
 
+# SQLite's header: bytes 18 and 19 (file format write and read versions) are
+# 2 in a database in WAL mode, which the VFS does not replicate.
+_WAL_VERSION_BYTES = slice(18, 20)
+
+
+def source_uses_wal(source: Optional[str]) -> Optional[bool]:
+    """Whether the database file's header says WAL (None: unreadable)."""
+    if not source:
+        return None
+    try:
+        with open(source, "rb") as f:
+            header = f.read(100)
+    except OSError:
+        return None
+    if len(header) < 100:
+        return None
+    return header[_WAL_VERSION_BYTES] == b"\x02\x02"
+
+
 def db_status(db: sp.DbDir, store=None) -> dict:
     now = time.time()
     source = db.source()
-    info: dict = {"dbdir": db.name, "source": source}
+    info: dict = {"dbdir": db.name, "source": source, "wal": source_uses_wal(source)}
     staged_files, staged_bytes = sp.tree_size(db.sub(sp.STAGING, sp.CHUNKS))
     info["staged_chunks"] = staged_files
     info["staged_chunk_bytes"] = staged_bytes
