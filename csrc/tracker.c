@@ -571,20 +571,26 @@ static void maybe_gc(struct build *b, double gc_weight)
 	t->stats.gc_removed += removed;
 }
 
-/* Whether to leave out the log line of a failure for want of space: the
- * first one is logged, then one per VN_LOW_SPACE_LOG_SECONDS. */
-static int low_space_quiet(struct vn_tracker *t)
+/* Whether a message said at `*at` (CLOCK_MONOTONIC seconds, 0: never)
+ * is less than `period` seconds old; if not, `*at` becomes now. */
+static int said_recently(int64_t *at, int64_t period)
 {
 	struct timespec now;
 
 	if (clock_gettime(CLOCK_MONOTONIC, &now) != 0)
 		return 0;
-	if (t->low_space_logged_at != 0 &&
-	    now.tv_sec - t->low_space_logged_at < VN_LOW_SPACE_LOG_SECONDS)
+	if (*at != 0 && now.tv_sec - *at < period)
 		return 1;
 	/* CLOCK_MONOTONIC may start near 0: keep 0 for "never". */
-	t->low_space_logged_at = now.tv_sec > 0 ? now.tv_sec : 1;
+	*at = now.tv_sec > 0 ? now.tv_sec : 1;
 	return 0;
+}
+
+/* Whether to leave out the log line of a failure for want of space: the
+ * first one is logged, then one per VN_LOW_SPACE_LOG_SECONDS. */
+static int low_space_quiet(struct vn_tracker *t)
+{
+	return said_recently(&t->low_space_logged_at, VN_LOW_SPACE_LOG_SECONDS);
 }
 
 enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
@@ -806,7 +812,13 @@ fail:
 		if (low_space_quiet(t))
 			goto abandon;
 	}
-	if (b.err != 0)
+	if (b.err == ENOSPC ||
+	    (b.err != 0 && !said_recently(&t->abandon_warned_at,
+	    VN_ABANDON_WARN_SECONDS)))
+		vn_warn("verneuil: %s: snapshot abandoned: %s: %s (the commit "
+		    "stands; NOT replicated until the spool takes snapshots again)",
+		    t->path, b.what, strerror(b.err));
+	else if (b.err != 0)
 		vn_log(SQLITE_WARNING, "verneuil: %s: snapshot abandoned: %s: %s",
 		    t->path, b.what, strerror(b.err));
 	else

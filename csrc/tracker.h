@@ -52,6 +52,9 @@ struct vn_tracker_stats {
  * holds): its abandoned snapshots are logged once a minute per database, not
  * once per commit. */
 #define VN_LOW_SPACE_LOG_SECONDS 60
+/* Any other abandoned snapshot is logged every time, and said on stderr at
+ * most once a minute per database (a broken spool fails every commit). */
+#define VN_ABANDON_WARN_SECONDS 60
 
 struct vn_tracker {
 	const char *path;          /* canonical db path (for xattrs); not owned */
@@ -97,6 +100,7 @@ struct vn_tracker {
 
 	struct vn_tracker_stats stats;
 	int64_t low_space_logged_at; /* CLOCK_MONOTONIC seconds; 0: never */
+	int64_t abandon_warned_at;   /* the same, for other abandons on stderr */
 };
 
 /* gc_weight: GC runs with probability gc_weight * (chunks staged now) /
@@ -139,6 +143,14 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 void vn_log(int code, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* A database that is not replicated: logged, and on stderr too unless the
+ * configuration says otherwise (vfs.c). Callers rate-limit it. */
+void vn_warn(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2)))
 #endif
     ;
 

@@ -134,7 +134,7 @@ void vn_log(int code, const char *fmt, ...)
  * to sqlite3_log and an operator must not lose replication without a word.
  * Callers say it once per database and reason.
  */
-static void vn_warn(const char *fmt, ...)
+void vn_warn(const char *fmt, ...)
 {
 	char msg[VN_LOG_MAX];
 	va_list ap;
@@ -467,16 +467,15 @@ static struct vn_db *new_db(struct vn_config *cfg, const char *name,
 	db->name = name;
 	db->canon = realpath(name, NULL);
 	if (db->canon == NULL) {
-		vn_log(SQLITE_WARNING, "verneuil: %s: realpath: %s; not "
-		    "replicated", name, strerror(errno));
+		vn_warn("verneuil: %s: realpath: %s; NOT replicated", name,
+		    strerror(errno));
 		sqlite3_free(db);
 		return NULL;
 	}
 	rc = vn_tracker_init(&db->tracker, &cfg->keys, db->canon, spool);
 	if (rc != 0) {
-		vn_log(SQLITE_WARNING, "verneuil: %s: cannot locate the spool "
-		    "directory under %s: %s; not replicated", db->canon, spool,
-		    strerror(rc));
+		vn_warn("verneuil: %s: cannot locate the spool directory under "
+		    "%s: %s; NOT replicated", db->canon, spool, strerror(rc));
 		vn_tracker_fini(&db->tracker);
 		free(db->canon);
 		sqlite3_free(db);

@@ -333,9 +333,9 @@ def test_sync_forces_a_snapshot(tmp_path):
     conn.close()
     assert_one_line_error(run(["sync", "--store", url, "--spool", str(spool), str(wal)]),
                           "no snapshot", "WAL database", "-v")
-    # -v shows the VFS's own log line too.
+    # The VFS says so on stderr too.
     proc = run(["sync", "-v", "--store", url, "--spool", str(spool), str(wal)])
-    assert proc.returncode == 1 and b"WAL databases are not replicated" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and b"uses journal_mode=WAL: it is NOT replicated" in proc.stderr, proc.stderr
 
 
 # -- bad inputs ------------------------------------------------------------------------

@@ -374,3 +374,26 @@ def test_exclusive_locking_mode_snapshots_at_unlock(spool, tmp_path):
         s = writer_vfs.stats(conn)
         assert s["failed"] == 0 and s["hot_journal"] == 0, (mode, s)
         conn.close()
+
+
+def test_an_unwritable_spool_is_said_on_stderr_once(tmp_path):
+    """Every commit stands; stderr says once (not once per commit) that the
+    database is not replicated, since Python listens to no sqlite3_log."""
+    script = r"""
+import sys, writer_vfs
+writer_vfs.register(sys.argv[1])
+c = writer_vfs.connect(sys.argv[2], isolation_level=None)
+c.execute("CREATE TABLE t(v)")
+for i in range(20):
+    c.execute("INSERT INTO t VALUES (?)", (i,))
+print(c.execute("SELECT count(*) FROM t").fetchone()[0], writer_vfs.stats(c)["failed"])
+"""
+    spool = tmp_path / "spool"
+    spool.write_text("a file where the spool should be")
+    out = subprocess.run([sys.executable, "-c", script, str(spool / "sub"), str(tmp_path / "x.db")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows, failed = map(int, out.stdout.split())
+    assert rows == 20 and failed >= 20
+    assert out.stderr.count("snapshot abandoned") == 1, out.stderr
+    assert "NOT replicated until the spool takes snapshots again" in out.stderr

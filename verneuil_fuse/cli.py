@@ -307,6 +307,8 @@ def _force_snapshot(path: str, spool: str, verbose: bool = False) -> dict:
         raise UserError("%s: no such database file" % path)
     writer_vfs.register(spool_dir=spool)
     writer_vfs.set_log_stderr(verbose)
+    # sync explains a database it could not snapshot in its own error line.
+    writer_vfs.set_warn_stderr(verbose)
     uri = "file:%s?vfs=verneuil" % urllib.parse.quote(os.path.abspath(path))
     try:
         conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30)
