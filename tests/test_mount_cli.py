@@ -105,3 +105,125 @@ def test_option_parsing():
     assert set(opts.fuse) == {"ro", "allow_other", "dev", "suid", "default_permissions",
                               "fsname=s", "subtype=verneuil"}
     assert mount.parse_size("64M") == 64 << 20 and mount.parse_size("100") == 100
+
+
+# ------------------------------------------- profile=, credentials_file=, start_retry=
+def _last_line_error(out, code, words):
+    assert out.returncode == code, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("verneuil: error: ") and words in lines[0], out.stderr
+
+
+def test_s3_only_options_and_credentials_file_errors(tmp_path, aws_env):
+    store = tmp_path / "store"
+    (store / "manifests").mkdir(parents=True)
+    log = "log_file=%s" % (tmp_path / "log")
+    _last_line_error(run(str(store), str(tmp_path), "-o", "profile=replicas," + log), 2,
+                     "option profile applies to S3 stores only")
+    _last_line_error(run(str(store), str(tmp_path), "-o", "credentials_file=/etc/hostname,profile=p," + log), 2,
+                     "options profile and credentials_file apply to S3 stores only")
+    url = "s3://chunks?manifest_bucket=m&endpoint=http://127.0.0.1:9"
+    _last_line_error(run(url, str(tmp_path), "-o", "credentials_file=%s/nope,%s" % (tmp_path, log)), 2,
+                     "cannot read credentials_file %s/nope: No such file or directory" % tmp_path)
+    _last_line_error(run(url, str(tmp_path), "-o", "profile=,%s" % log), 2, "bad value for option profile")
+    _last_line_error(run(url, str(tmp_path), "-o", "start_retry=-1," + log), 2, "bad value for option start_retry")
+
+
+def test_unknown_profile_is_one_line(tmp_path, aws_env):
+    creds = tmp_path / "credentials"
+    creds.write_text("[replicas]\naws_access_key_id = a\naws_secret_access_key = b\n")
+    url = "s3://chunks?manifest_bucket=m&endpoint=http://127.0.0.1:9"
+    for extra in ("", ",credentials_file=%s" % creds):
+        out = run(url, str(tmp_path), "-o", "profile=nope,log_file=%s%s" % (tmp_path / "log", extra))
+        _last_line_error(out, 3, "AWS profile 'nope' not found")
+
+
+def _mount_class():
+    from replicas import Mount, fuse_unavailable
+
+    reason = fuse_unavailable()
+    if reason:
+        pytest.skip(reason)
+    return Mount
+
+
+def test_profile_from_a_credentials_file_mounts(s3_server, tmp_path):
+    """No credentials in the environment (as for fstab at boot): the mount
+    signs with the profile of the given credentials file."""
+    Mount = _mount_class()
+    if not s3_server.running:
+        s3_server.start()
+    from s3server import FAKE_ACCESS_KEY, FAKE_SECRET_KEY
+
+    creds = tmp_path / "credentials"
+    creds.write_text("[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n"
+                     "[replicas]\naws_access_key_id = %s\naws_secret_access_key = %s\n"
+                     % (FAKE_ACCESS_KEY, FAKE_SECRET_KEY))
+    url = s3_server.url(s3_server.new_bucket("chunks"), s3_server.new_bucket("manifests", versioned=True))
+
+    class NoEnvCredentials(Mount):
+        def env(self):
+            return {k: v for k, v in os.environ.items()
+                    if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE")}
+
+    with NoEnvCredentials(url, str(tmp_path / "mnt"),
+                          "cache_size=0,profile=replicas,credentials_file=%s" % creds) as m:
+        os.listdir(m.mountpoint)
+        stats = m.stats()
+        assert stats["mount"]["ready"] and stats["mount"]["source"].startswith("s3://")
+    # Without the file, the profile is nowhere (the environment's files are
+    # /dev/null): the credentials above came from credentials_file.
+    env = NoEnvCredentials(url, str(tmp_path / "mnt")).env()
+    out = subprocess.run([sys.executable, "-m", "verneuil_fuse.mount", url, str(tmp_path / "mnt"),
+                          "-o", "profile=replicas,log_file=%s" % (tmp_path / "log")],
+                         capture_output=True, text=True, timeout=60, env=env)
+    _last_line_error(out, 3, "AWS profile 'replicas' not found")
+
+
+def test_start_retry_gives_up_after_its_time(tmp_path, aws_env):
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there: connections are refused
+    url = "s3://chunks?manifest_bucket=m&endpoint=http://127.0.0.1:%d" % port
+    log = tmp_path / "log"
+    t0 = time.monotonic()
+    out = run(url, str(tmp_path), "-o", "cache_size=0,start_retry=3,log_file=%s" % log)
+    elapsed = time.monotonic() - t0
+    _last_line_error(out, 3, "cannot list s3://chunks")
+    assert 2.8 <= elapsed < 15, elapsed
+    assert log.read_text().count("trying again") == 2  # after 1 s, then 2 s
+
+
+def test_start_retry_waits_for_the_store(s3_server, tmp_path):
+    import threading
+
+    Mount = _mount_class()
+    url = s3_server.url(s3_server.new_bucket("chunks"), s3_server.new_bucket("manifests", versioned=True))
+    s3_server.stop()
+    timer = threading.Timer(1.5, s3_server.start)
+    timer.start()
+    m = Mount(url, str(tmp_path / "mnt"), "cache_size=0,start_retry=20")
+    try:
+        t0 = time.monotonic()
+        m.start(timeout=30)
+        assert time.monotonic() - t0 >= 1.4
+        assert m.stats()["mount"]["ready"]
+        assert "trying again" in m.log_tail(20000)
+    finally:
+        timer.cancel()
+        timer.join()
+        if not s3_server.running:
+            s3_server.start()
+        m.stop()
+
+
+def test_help_lists_start_up_options():
+    out = run("--help")
+    assert out.returncode == 0
+    for name in ("profile=NAME", "credentials_file=PATH", "start_retry=SECONDS"):
+        assert name in out.stdout
+    opts = mount.parse_args(["s", "m", "-o", "profile=replicas,credentials_file=c,start_retry=2.5"])
+    assert (opts.profile, opts.credentials_file, opts.start_retry) == ("replicas", "c", 2.5)
+    assert mount.parse_args(["s", "m"]).start_retry == 0

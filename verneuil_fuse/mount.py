@@ -5,7 +5,8 @@ and the fstab line ``SOURCE /mnt fuse.verneuil ro,allow_other,_netdev,nofail 0 0
 make mount.fuse3 run ``verneuil SOURCE /mnt -o OPTIONS,dev,suid`` (the
 program must be on mount.fuse3's fixed PATH: scripts/install-mount-helper.sh).
 
-Start-up: the program forks; the child opens the store, lists it once, mounts
+Start-up: the program forks; the child opens the store, lists it once (with
+``start_retry=``, again while the store cannot be reached), mounts
 and only then tells the parent, which exits 0 (or prints the child's one-line
 error and exits non-zero), so mount(8) returns once the mount is live. The
 child serves until ``umount``/``fusermount3 -u`` or SIGTERM/SIGINT, then
@@ -96,8 +97,17 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
   log_file=PATH           log here (default: stderr with -f, else syslog, else,
                           when /dev/log is missing, /var/log/verneuil/MNT.log
                           as root or ~/.cache/verneuil/log/MNT.log, named on
-                          stderr before the mount detaches)
+                          stderr once the mount is up)
   log_level=LEVEL         debug, info (default), warning, error
+  profile=NAME            S3 stores: the AWS profile of the shared credentials
+                          and config files that signs requests (as AWS_PROFILE;
+                          fstab mounts have no environment at boot)
+  credentials_file=PATH   S3 stores: the shared credentials file to read (as
+                          AWS_SHARED_CREDENTIALS_FILE; default ~/.aws/credentials)
+  start_retry=SECONDS     when the store cannot be reached at start (network
+                          not up yet at boot), keep trying for this long,
+                          waiting 1 s doubling to 10 s between attempts, before
+                          failing (default 0: fail at once)
 """
 
 # The kernel's readahead for the mount. libfuse answers the kernel's INIT with
@@ -125,6 +135,18 @@ MIN_CACHE_SIZE = 16 << 20
 # just before an unmount left some 90 chunks unwritten, fetched again by the
 # next mount), but a disk too slow to take them does not hold the process.
 CACHE_DRAIN_S = 5.0
+
+# Waits between attempts to list an unreachable store at start
+# (`start_retry`): the first comes soon, as a network being brought up at
+# boot often is within a second; doubling, they stay few in a long outage;
+# the cap keeps the mount within 10 s of the store coming back.
+START_RETRY_FIRST_S = 1.0
+START_RETRY_MAX_S = 10.0
+
+# How long a background mount's parent waits for the filesystem process to
+# report the mount up, on top of `start_retry`: time to import, open the
+# store, list it (a few slow attempts) and mount.
+READY_WAIT_S = 120.0
 
 # Where a daemonized mount logs by default, and where it logs when that
 # socket is missing (containers, minimal systems): as root, beside the
@@ -172,6 +194,9 @@ class Options:
     read_ahead_kb: int | None = None
     log_file: str | None = None
     log_level: str = "info"
+    profile: str | None = None
+    credentials_file: str | None = None
+    start_retry: float = 0.0
 
 
 _SIZE = re.compile(r"\A(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\Z", re.I)
@@ -252,6 +277,12 @@ def _nonneg_seconds(text: str) -> float:
     return v
 
 
+def _profile(text: str) -> str:
+    if not text or any(c.isspace() or c in "[]" for c in text):
+        raise ValueError("not a profile name: %r" % text)
+    return text
+
+
 def _fuse_value(text: str) -> str:
     """A value libfuse can take in one option: printable ASCII without the
     comma it splits on or the backslash it unescapes (pyfuse3 encodes options
@@ -280,7 +311,13 @@ _OWN = {
     "read_ahead_kb": _nonneg_int,
     "log_file": _path,
     "log_level": lambda t: _check_level(t),
+    "profile": _profile,
+    "credentials_file": _path,
+    "start_retry": _nonneg_seconds,
 }
+
+# Options that only mean something for an S3 store.
+S3_ONLY_OPTIONS = ("profile", "credentials_file")
 
 
 def _check_level(text: str) -> str:
@@ -381,9 +418,11 @@ def setup_logging(opts: Options, daemon: bool) -> None:
     root.addHandler(handler)
     root.setLevel(opts.log_level.upper())
     # botocore's debug output holds request headers (the access key id, a
-    # session token): never below INFO, whatever log_level says.
+    # session token): never below INFO, whatever log_level says; and its INFO
+    # lines (where it found credentials) only at log_level=debug.
+    third_party = logging.INFO if root.level < logging.INFO else max(logging.WARNING, root.level)
     for name in ("botocore", "boto3", "urllib3", "s3transfer"):
-        logging.getLogger(name).setLevel(max(logging.INFO, root.level))
+        logging.getLogger(name).setLevel(third_party)
 
 
 def default_log_file(mountpoint: str) -> str:
@@ -398,15 +437,16 @@ def default_log_file(mountpoint: str) -> str:
     return os.path.join(top, name + ".log")
 
 
-def choose_log_file(opts: Options) -> None:
+def choose_log_file(opts: Options) -> str | None:
     """Before a daemonized mount detaches: make ``log_file`` absolute (the
     daemon works from ``/``) and, with no syslog socket to log to, pick the
-    default log file and say so on stderr, so that no log line is lost."""
+    default log file, so that no log line is lost. Returns the line that
+    names it, for stderr once the mount is up (an error is one line)."""
     if opts.log_file:
         opts.log_file = os.path.abspath(opts.log_file)
-        return
+        return None
     if os.path.exists(SYSLOG_SOCKET):
-        return
+        return None
     path = default_log_file(opts.mountpoint)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -416,7 +456,7 @@ def choose_log_file(opts: Options) -> None:
         raise UserError("no syslog (%s) and cannot write the log file %s: %s; give log_file=PATH"
                         % (SYSLOG_SOCKET, path, e.strerror or e), EXIT_USAGE) from None
     opts.log_file = path
-    sys.stderr.write("verneuil: no syslog (%s): logging to %s\n" % (SYSLOG_SOCKET, path))
+    return "verneuil: no syslog (%s): logging to %s" % (SYSLOG_SOCKET, path)
 
 
 # ------------------------------------------------------------------ checks
@@ -435,6 +475,11 @@ def check_source(opts: Options):
     try:
         target = store_target(parse_config(opts.source))
         if target.get("kind") == "directory":
+            given = [name for name in S3_ONLY_OPTIONS if getattr(opts, name)]
+            if given:
+                raise UserError("option%s %s appl%s to S3 stores only, not to the directory store %s"
+                                % ("s" if len(given) > 1 else "", " and ".join(given),
+                                   "y" if len(given) > 1 else "ies", shown(opts.source)), EXIT_USAGE)
             path = target["path"]
             if not os.path.isdir(path):
                 raise UserError("source %s: no such directory %s" % (shown(opts.source), path), EXIT_SOURCE)
@@ -442,14 +487,18 @@ def check_source(opts: Options):
                 raise UserError("source %s: %s is not a store (no manifests/ directory in it)"
                                 % (shown(opts.source), path), EXIT_SOURCE)
             return open_store({"directory": {"path": path, "create": False}})
-        return open_store(
-            opts.source,
-            **(
-                {"max_pool_connections": opts.concurrency * 2 + 8, "max_attempts": 2}
-                if target.get("kind") == "s3"
-                else {}
-            ),
-        )
+        s3_options = {}
+        if target.get("kind") == "s3":
+            if opts.credentials_file:
+                try:
+                    with open(opts.credentials_file, "rb"):
+                        pass
+                except OSError as e:
+                    raise UserError("cannot read credentials_file %s: %s"
+                                    % (opts.credentials_file, e.strerror or e), EXIT_USAGE) from None
+            s3_options = {"max_pool_connections": opts.concurrency * 2 + 8, "max_attempts": 2,
+                          "profile": opts.profile, "credentials_file": opts.credentials_file}
+        return open_store(opts.source, **s3_options)
     except ConfigError as e:
         raise UserError("bad source %s: %s" % (shown(opts.source), e), EXIT_SOURCE) from None
 
@@ -479,7 +528,7 @@ def check_paths(opts: Options) -> None:
         raise UserError("%s is already a mount point (umount it first)" % opts.mountpoint, EXIT_MOUNT)
     if opts.source.startswith("@") and not opts.source.startswith("@/"):
         opts.source = "@" + os.path.abspath(opts.source[1:])
-    for name in ("cache_dir", "log_file"):
+    for name in ("cache_dir", "log_file", "credentials_file"):
         value = getattr(opts, name)
         if value:
             setattr(opts, name, os.path.abspath(value))
@@ -544,6 +593,32 @@ def set_kernel_readahead(mountpoint: str, kb: int, explicit: bool = True) -> Non
 
 
 # ------------------------------------------------------------------- serve
+async def first_listing(opts: Options, catalog) -> None:
+    """The catalog's first poll; while the store cannot be reached
+    (TransientError: refused, timed out, 5xx) it is tried again, with
+    backoff, for up to ``start_retry`` seconds, then the last error raised.
+    Other errors (no bucket, access denied) are raised at once."""
+    import trio
+
+    from verneuil_fuse.store import TransientError
+
+    deadline = trio.current_time() + opts.start_retry
+    delay = START_RETRY_FIRST_S
+    while True:
+        try:
+            await catalog.refresh(raise_errors=True)
+            return
+        except TransientError as e:
+            left = deadline - trio.current_time()
+            if left <= 0:
+                raise
+            wait = min(delay, left)
+            log.warning("cannot list %s: %s; trying again in %.0fs (start_retry: %.0fs left)",
+                        shown(opts.source), e, wait, left)
+            await trio.sleep(wait)
+            delay = min(delay * 2, START_RETRY_MAX_S)
+
+
 async def serve(opts: Options, store, ready) -> None:
     """Build the layers, list the store, mount, call ``ready()``, serve."""
     import pyfuse3
@@ -597,7 +672,7 @@ async def serve(opts: Options, store, ready) -> None:
                 fetcher.bind(nursery, writes)
                 catalog.bind(nursery)
                 try:
-                    await catalog.refresh(raise_errors=True)
+                    await first_listing(opts, catalog)
                 except StoreError as e:
                     raise UserError("cannot list %s: %s" % (shown(opts.source), e), EXIT_SOURCE) from None
                 try:
@@ -669,8 +744,10 @@ def _one_line(e: BaseException) -> str:
     return "%s: %s" % (type(e).__name__, text[0] if text else "")
 
 
-def run_background(opts: Options, wait: float = 120.0) -> int:
-    choose_log_file(opts)
+def run_background(opts: Options, wait: float | None = None) -> int:
+    if wait is None:
+        wait = READY_WAIT_S + opts.start_retry
+    where_logs = choose_log_file(opts)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the filesystem process
@@ -724,6 +801,8 @@ def run_background(opts: Options, wait: float = 120.0) -> int:
     finally:
         os.close(r)
     if msg.startswith(b"K"):
+        if where_logs:
+            print(where_logs, file=sys.stderr)
         return 0
     _, status = os.waitpid(pid, 0)
     if msg.startswith(b"E"):

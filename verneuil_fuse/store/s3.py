@@ -6,7 +6,8 @@ owns:
 - the client configuration: connection pool size, timeouts, retry policy,
   endpoint, region, path or virtual-host ("domain") addressing; credentials
   always come from boto3's default chain (environment, ~/.aws, instance or
-  container roles), never from the store configuration;
+  container roles; the caller may name a profile and a credentials file for
+  it), never from the store configuration;
 - the translation of every botocore failure into the `StoreError` hierarchy
   of `base.py` (no botocore exception escapes a `Backend` call), with messages
   that name bucket, key and endpoint but never credentials.
@@ -23,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import boto3
 import botocore.exceptions
+import botocore.session
 from botocore.config import Config
 
 from .base import (
@@ -166,9 +168,16 @@ def make_client(
     connect_timeout: float = CONNECT_TIMEOUT,
     read_timeout: float = READ_TIMEOUT,
     max_pool_connections: int = MAX_POOL_CONNECTIONS,
+    profile: str | None = None,
+    credentials_file: str | None = None,
 ) -> Any:
     """A new S3 client (its own boto3 Session, since sessions are not
-    thread-safe; the client itself is).  Bad settings raise `ConfigError`."""
+    thread-safe; the client itself is).  Bad settings raise `ConfigError`.
+
+    `profile` names a profile of the shared credentials/config files (as
+    AWS_PROFILE would); `credentials_file` replaces the shared credentials
+    file (as AWS_SHARED_CREDENTIALS_FILE would) for this client only.  Both
+    still go through boto3's own credential chain."""
     if addressing not in ADDRESSING_STYLES:
         raise ConfigError(
             f"S3 addressing must be one of {', '.join(ADDRESSING_STYLES)}, not {addressing!r}"
@@ -186,10 +195,16 @@ def make_client(
         response_checksum_validation="when_required",
     )
     try:
-        session = boto3.session.Session()
+        core = botocore.session.Session()
+        if credentials_file:
+            core.set_config_variable("credentials_file", credentials_file)
+        session = boto3.session.Session(botocore_session=core, profile_name=profile or None)
         return session.client(
             "s3", endpoint_url=endpoint or None, region_name=region or None, config=config
         )
+    except botocore.exceptions.ProfileNotFound:
+        where = f" ({credentials_file} and the AWS config file)" if credentials_file else ""
+        raise ConfigError(f"AWS profile {profile!r} not found{where}") from None
     except (ValueError, botocore.exceptions.BotoCoreError) as err:
         # ValueError: botocore's "Invalid endpoint" (it quotes the endpoint,
         # which could hold user info, so say it ourselves).
