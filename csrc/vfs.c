@@ -224,9 +224,17 @@ static int vn_lock(sqlite3_file *f, int level)
 
 static void log_wal_once(struct vn_db *db)
 {
+	struct vn_spool_session s;
+
 	if (db->wal_logged)
 		return;
 	db->wal_logged = 1;
+	/* The database's spool directory and its source file, so that
+	 * `verneuilctl lag` lists it as a WAL database even when it never had
+	 * a snapshot (a database created in WAL mode). */
+	vn_spool_session_init(&s);
+	if (vn_spool_open(&db->tracker.spool, &s) == 0)
+		vn_spool_close(&s);
 	vn_warn("verneuil: %s uses journal_mode=WAL: it is NOT replicated "
 	    "(WAL databases are not; use a rollback journal mode, e.g. "
 	    "PRAGMA journal_mode=DELETE)", db->canon);

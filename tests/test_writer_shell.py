@@ -123,3 +123,25 @@ PRAGMA verneuil_stats;
     conn = sqlite3.connect(db)
     assert conn.execute("SELECT v FROM t").fetchall() == [(1,)]
     conn.close()
+
+
+def test_a_database_created_in_wal_is_listed_by_lag(tmp_path):
+    """A database that is WAL from its first page never has a snapshot: it
+    still shows in `verneuilctl lag`, as not replicated."""
+    import sys
+
+    spool = str(tmp_path / "spool")
+    db = str(tmp_path / "born-wal.db")
+    script = f"""
+.load {writer_vfs.loadable_extension_path()}
+.open 'file:{db}?vfs=verneuil'
+PRAGMA journal_mode=WAL;
+CREATE TABLE t(v);
+INSERT INTO t VALUES (1);
+"""
+    out = run_shell(script, {"replication_spooling_dir": spool}, tmp_path)
+    assert "it is NOT replicated" in out.stderr, out.stderr
+    lag = subprocess.run([sys.executable, "-m", "verneuil_fuse.cli", "lag", "--spool", spool, "--no-store"],
+                         capture_output=True, text=True, timeout=60)
+    assert lag.returncode == 0, lag.stderr
+    assert os.path.realpath(db) in lag.stdout and "WAL: NOT replicated" in lag.stdout, lag.stdout
