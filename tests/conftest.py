@@ -31,6 +31,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from s3server import S3Server, fake_aws_env, moto_available, patched_environ  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def mount_log_dir(tmp_path_factory):
+    """Mounts that detach with no syslog log to a default file: under the
+    session's temporary directory, not /var/log."""
+    with patched_environ({"VERNEUIL_LOG_DIR": str(tmp_path_factory.mktemp("mount-logs"))}):
+        yield
+
+
 @pytest.fixture(scope="session")
 def aws_env():
     with patched_environ(fake_aws_env()):

@@ -153,6 +153,9 @@ READY_WAIT_S = 120.0
 # system's other logs.
 SYSLOG_SOCKET = "/dev/log"
 ROOT_LOG_DIR = "/var/log/verneuil"
+# Another directory for those default log files (a service's own log
+# directory; the tests' temporary one).
+LOG_DIR_ENV = "VERNEUIL_LOG_DIR"
 
 EXIT_USAGE = 2
 EXIT_SOURCE = 3
@@ -430,7 +433,9 @@ def default_log_file(mountpoint: str) -> str:
     mount point, named after it as systemd names mount units (``/`` as
     ``-``)."""
     name = os.path.abspath(mountpoint).strip("/").replace("-", "\\x2d").replace("/", "-") or "-"
-    if os.getuid() == 0:
+    if os.environ.get(LOG_DIR_ENV):
+        top = os.environ[LOG_DIR_ENV]
+    elif os.getuid() == 0:
         top = ROOT_LOG_DIR
     else:
         top = os.path.join(os.path.expanduser("~"), ".cache", "verneuil", "log")
