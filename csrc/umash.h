@@ -5,7 +5,7 @@
  * The bytes of every hash are part of the wire format (FORMAT.md): chunk
  * names, manifest names and manifest checksums are UMASH values, so this
  * implementation must agree bit for bit with the reference library.  The
- * test vectors in shared/vectors/umash_verneuil.json pin that down.
+ * test vectors in tests/data/umash_verneuil.json pin that down.
  *
  * No hidden state: the only global is the selected implementation (CLMUL or
  * portable), chosen once from CPUID and overridable for tests.

@@ -6,7 +6,7 @@ import pytest
 
 from verneuil_fuse import format as fmt
 
-# A copy of shared/vectors/umash_verneuil.json: values computed with the
+# tests/data/umash_verneuil.json: values computed with the
 # public UMASH C library (see its "about" field).
 VECTORS = pathlib.Path(__file__).parent / "data" / "umash_verneuil.json"
 

@@ -48,7 +48,7 @@ class PrefetchConfig:
     # is advised (fadvise WILLNEED) to read them from the cache's segment
     # files, many reads in flight. 0 (the default) leaves it to the kernel's
     # own readahead of the segments: fewer, larger reads. Since the cache lays
-    # a sequential read's chunks out in file order (session 11), the kernel's
+    # a sequential read's chunks out in file order, the kernel's
     # readahead follows them, in large folios, where the advice reads page by
     # page in a thread of ours: a warm SQL scan of 475 MiB from a cache the
     # VM's host holds took 0.37 s with 0 and 0.56 s with 256 (the mount's CPU
