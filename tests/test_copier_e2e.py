@@ -305,3 +305,64 @@ def test_the_copier_daemon_says_what_it_does(spool, tmp_path):
     assert text.count("replicating ") == 1 and os.path.realpath(str(tmp_path / "app.db")) in text, text
     assert "copier stopped" in text, text
     assert "Traceback" not in text
+
+
+def _scrape(url: str) -> dict:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_the_copier_daemon_serves_metrics(spool, tmp_path):
+    """`verneuilctl copier --metrics-port 0` logs the address it serves;
+    a scrape parses with prometheus_client's parser and carries the
+    copier's counters (the numbers it logs at its stop) and the spool's lag
+    per database; a port in use is a one-line error."""
+    import re
+    source = os.path.realpath(str(tmp_path / "app.db"))
+    w = Writer("py", spool, source)
+    p = subprocess.Popen(VERNEUILCTL + ["copier", "--store", "file://%s/store" % tmp_path, "--spool", spool,
+                                        "--poll-interval", "0.05", "--metrics-port", "0"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 30
+        while not any("metrics on" in line for line in lines) and time.monotonic() < deadline:
+            lines.append(p.stderr.readline())
+        url = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", "".join(lines)).group(1)
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        for _ in range(3):
+            w.bump()
+        store = open_store("file://%s/store" % tmp_path)
+        assert wait_for(lambda: store_counter(store, w.name, str(tmp_path)) == 3, 20)
+        assert wait_for(lambda: _scrape(url)[("verneuil_spool_pending_bytes", (("db", source),))] == 0, 20)
+        m = _scrape(url)
+        assert m[("verneuil_copier_manifests_uploaded_total", ())] >= 1
+        assert m[("verneuil_copier_passes_total", ())] >= 1
+        assert m[("verneuil_spool_wal", (("db", source),))] == 0
+        assert any(k[0] == "verneuil_copier_info" and ("spool", spool) in k[1] for k in m), m
+        # A second copier on the same port: a clear error, not a traceback.
+        busy = subprocess.run(VERNEUILCTL + ["copier", "--store", "file://%s/store" % tmp_path, "--spool", spool,
+                                             "--metrics-port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+        assert busy.returncode != 0 and "cannot serve metrics on 127.0.0.1:%d" % port in busy.stderr, busy.stderr
+        assert "Traceback" not in busy.stderr
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(15) == 0
+        text = "".join(lines) + p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+        p.stderr.close()
+        w.close()
+    stopped = re.search(r"copier stopped: (\{.*\})", text).group(1)
+    import ast
+    final = ast.literal_eval(stopped)
+    assert final["manifests_uploaded"] == m[("verneuil_copier_manifests_uploaded_total", ())]
+    assert final["chunks_uploaded"] == m[("verneuil_copier_chunks_uploaded_total", ())]

@@ -207,6 +207,52 @@ def test_stats(env):
     assert disk["chunks"] > 0 and 0 < disk["bytes"] <= disk["limit"] and disk["puts"] > 0
 
 
+def test_metrics_carry_the_stats_numbers(env):
+    """/.verneuil/metrics parses with prometheus_client's parser and holds
+    every number of /.verneuil/stats: a counter read between two scrapes
+    lies between them, a database's size is its size."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from verneuil_fuse.metrics import MOUNT_GAUGES
+
+    def scrape() -> dict:
+        with open(env.mount.path(".verneuil", "metrics")) as f:
+            text = f.read()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def leaves(value, path):
+        if isinstance(value, (bool, int, float)):
+            yield path, float(value)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                yield from leaves(v, path + (k,))
+
+    big = "/%s/data/big.db" % HOST
+    assert _read(env.mount.path(*big.strip("/").split("/"))) == env.sources[big]
+    before = scrape()
+    stats = env.mount.stats()
+    after = scrape()
+    checked = 0
+    for top, value in stats.items():
+        groups = value.items() if top == "databases" else [(None, value)]
+        for path_label, sub in groups:
+            for path, number in leaves(sub, (top,)):
+                dotted = ".".join(path)
+                name = "verneuil_" + "_".join(path) + ("" if dotted in MOUNT_GAUGES else "_total")
+                labels = (("path", path_label),) if path_label else ()
+                assert (name, labels) in before and (name, labels) in after, (name, labels)
+                if dotted not in MOUNT_GAUGES:
+                    assert before[name, labels] <= number <= after[name, labels], dotted
+                checked += 1
+    assert checked > 40
+    assert before["verneuil_databases_len", (("path", big),)] == len(env.sources[big])
+    assert before["verneuil_mount_pid", ()] == env.mount.proc.pid
+    assert after["verneuil_fetch_gets_total", ()] > 0
+    info = [k for k in before if k[0] == "verneuil_mount_info"]
+    assert len(info) == 1 and ("mountpoint", env.mount.mountpoint) in info[0][1], info
+
+
 def test_open_handle_keeps_its_version(env):
     m = env.mount
     where = "/%s/data/v.db" % HOST

@@ -2,7 +2,9 @@
 
 Layout: ``/<hostname>/<absolute path of the source database>``, from the
 manifest names in the store, with directories synthesised; plus
-``/.verneuil/stats`` (JSON, see `Catalog.stats`). Directory listings are
+``/.verneuil/stats`` (JSON, see `Catalog.stats`) and ``/.verneuil/metrics``
+(the same numbers in Prometheus' text format, see `verneuil_fuse.metrics`).
+Directory listings are
 sorted by name, so readdir is stable.
 
 Names that do not read back as a whole path:
@@ -49,6 +51,7 @@ from typing import Any, Callable
 import trio
 from urllib.parse import unquote
 
+from verneuil_fuse import __version__, metrics
 from verneuil_fuse.fetcher import Fetcher, HydrateProgress
 from verneuil_fuse.format import ManifestError, parse_manifest_name
 from verneuil_fuse.format.names import MANGLE_KEEP
@@ -65,6 +68,7 @@ SETTLE_SECONDS = 5.0
 CONTROL_DIR = ".verneuil"
 _MANGLED_HEAD = re.compile(r"\A[0-9a-f]{4}-verneuil%3A.*?%3A[0-9a-f]{4}%2F(%2F.*)\Z", re.S)
 STATS_NAME = "stats"
+METRICS_NAME = "metrics"
 # An eager hydration that could not fetch every chunk (a store outage, a
 # missing chunk) is started again at the first poll this many seconds after
 # it ended: the database does not stay half-hydrated until its next version,
@@ -232,6 +236,9 @@ class Catalog:
         self.stats_file = StatsFile(self._alloc(), self.render_stats)
         control.entries[STATS_NAME] = self.stats_file  # type: ignore[assignment]
         self.inodes[self.stats_file.inode] = self.stats_file
+        self.metrics_file = StatsFile(self._alloc(), self.render_metrics)
+        control.entries[METRICS_NAME] = self.metrics_file  # type: ignore[assignment]
+        self.inodes[self.metrics_file.inode] = self.metrics_file
         self._control = control
         self.extra_stats: Callable[[], dict] | None = None
 
@@ -554,6 +561,16 @@ class Catalog:
 
     def render_stats(self) -> bytes:
         return (json.dumps(self.stats(), indent=1, sort_keys=True) + "\n").encode()
+
+    def render_metrics(self) -> bytes:
+        """`stats` in Prometheus' text format: one series per number, the
+        databases labelled by path, ``verneuil_mount_info`` naming the mount."""
+        stats = self.stats()
+        mount = stats.get("mount", {})
+        info = {"version": __version__, "source": str(mount.get("source", "")),
+                "mountpoint": str(mount.get("mountpoint", ""))}
+        return metrics.render(metrics.families("verneuil", stats, metrics.MOUNT_GAUGES,
+                                               {"databases": "path"}, ("mount", info)))
 
 
 def mode_of(node: Any) -> int:

@@ -238,9 +238,19 @@ def cmd_copier(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     copier = _make_copier(args, create_spool=True, stop_event=stop_event)
+    exporter = None
     try:
+        if args.metrics_port is not None:
+            from .copier.exporter import MetricsServer
+            try:
+                exporter = MetricsServer(copier, args.metrics_port, args.metrics_address)
+            except OSError as e:
+                raise UserError("cannot serve metrics on %s:%d: %s"
+                                % (args.metrics_address, args.metrics_port, e.strerror or e)) from None
         copier.run()
     finally:
+        if exporter is not None:
+            exporter.close()
         copier.close()
         copier.store.close()
     return EXIT_OK
@@ -836,6 +846,14 @@ def _not_negative(convert, noun: str):
 _nonneg_int = _not_negative(int, "an integer")
 _positive_float = _not_negative(float, "a number")
 
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 to 65535."""
+    value = _nonneg_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError("%r is not a TCP port (0 to 65535)" % text)
+    return value
+
 # A --max-db-size value: a number and an optional binary unit ("64G" is
 # 64 GiB; "64GiB" and "64GB" read the same).
 _SIZE_RE = re.compile(r"\A\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*\Z", re.I)
@@ -938,6 +956,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run a copier daemon. Any number may run on one spool.")
     p.add_argument("--poll-interval", type=_positive_float,
                    help="seconds between idle passes (default 0.2)")
+    p.add_argument("--metrics-port", type=_port, metavar="PORT",
+                   help="serve Prometheus metrics at http://ADDRESS:PORT/metrics (0: any free port, logged)")
+    p.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDRESS",
+                   help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 for every interface)")
     p.set_defaults(func=cmd_copier)
 
     p = sub.add_parser("flush", parents=[common, store, spool, pacing],

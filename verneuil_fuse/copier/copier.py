@@ -145,6 +145,11 @@ class Copier:
         self._pool.close()
         self._db_pool.close()
 
+    def stats_snapshot(self) -> dict:
+        """`stats` as a dict, read under the lock the workers count under."""
+        with self._stats_lock:
+            return self.stats.snapshot()
+
     def _count(self, **kw) -> None:
         with self._stats_lock:
             for k, v in kw.items():
