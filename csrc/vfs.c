@@ -111,21 +111,31 @@ struct vn_file {
 
 /* ---- logging ------------------------------------------------------------ */
 
-void vn_log(int code, const char *fmt, ...)
+/*
+ * One message: to sqlite3_log, and to stderr when `force_stderr` (a warning
+ * that replication stops, unless "warn_stderr" is false) or "log_stderr".
+ */
+static void vn_emit(int code, int is_warning, const char *fmt, va_list ap)
 {
 	char msg[VN_LOG_MAX];
-	va_list ap;
 	int to_stderr;
 
-	va_start(ap, fmt);
 	vsnprintf(msg, sizeof(msg), fmt, ap);
-	va_end(ap);
 	sqlite3_log(code, "%s", msg);
 	pthread_mutex_lock(&vn_config.mutex);
-	to_stderr = vn_config.log_stderr;
+	to_stderr = vn_config.log_stderr || (is_warning && vn_config.warn_stderr);
 	pthread_mutex_unlock(&vn_config.mutex);
 	if (to_stderr)
 		fprintf(stderr, "%s\n", msg);
+}
+
+void vn_log(int code, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vn_emit(code, 0, fmt, ap);
+	va_end(ap);
 }
 
 /*
@@ -136,19 +146,11 @@ void vn_log(int code, const char *fmt, ...)
  */
 void vn_warn(const char *fmt, ...)
 {
-	char msg[VN_LOG_MAX];
 	va_list ap;
-	int to_stderr;
 
 	va_start(ap, fmt);
-	vsnprintf(msg, sizeof(msg), fmt, ap);
+	vn_emit(SQLITE_WARNING, 1, fmt, ap);
 	va_end(ap);
-	sqlite3_log(SQLITE_WARNING, "%s", msg);
-	pthread_mutex_lock(&vn_config.mutex);
-	to_stderr = vn_config.warn_stderr || vn_config.log_stderr;
-	pthread_mutex_unlock(&vn_config.mutex);
-	if (to_stderr)
-		fprintf(stderr, "%s\n", msg);
 }
 
 /* ---- io methods --------------------------------------------------------- */
