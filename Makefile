@@ -1,5 +1,5 @@
-# Benchmarks (docs/BENCHMARKS.md). Both need root (FUSE mounts) and the .venv
-# from scripts/setup.sh; they install s3fs and rclone with apt-get if missing.
+# Benchmarks (docs/BENCHMARKS.md). They need root (FUSE mounts) and the .venv
+# from scripts/setup.sh; they install s3fs, rclone and nginx with apt-get if missing.
 PYTHON ?= .venv/bin/python
 
 .PHONY: bench bench-1g bench-quick
@@ -8,9 +8,10 @@ PYTHON ?= .venv/bin/python
 bench:
 	$(PYTHON) scripts/bench_all.py --out docs/bench
 
-# The readers side by side on the 1 GiB database of issue 8 (docs/bench/1g): 21-30 minutes.
+# The readers side by side on a 1 GiB database (docs/bench/1g), behind moto
+# and again behind the nginx rig (benchlib/nginx_rig.py): 25-35 minutes.
 bench-1g:
-	$(PYTHON) scripts/bench_all.py --size-mb 1024 --only sync --only ceiling --only read --out docs/bench/1g
+	$(PYTHON) scripts/bench_all.py --size-mb 1024 --only sync --only ceiling --only read --only rig --out docs/bench/1g
 
 # Small databases, one run each, a few minutes (what tests/test_bench_smoke.py runs).
 bench-quick:

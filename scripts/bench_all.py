@@ -24,6 +24,11 @@ with apt-get if they are missing.  Then measures, in this order:
    cache helps), hot full scan (once more, page cache kept) for this mount, s3fs, rclone (vfs cache off and full),
    `verneuilctl restore` then query, and the local file; time, GETs and
    bytes from the proxy;
+5b. rig: the read phase again against a store that is not the bottleneck:
+   Debian's nginx serving the chunk objects and the raw file from files
+   (benchlib/nginx_rig.py), the same latency added inside nginx, moto for
+   the rest; first the rig's ceiling from curl --parallel (a C client); the
+   mount's CPU per chunk GET over each cold scan;
 6. fan-out: one aggregate query over --fanout-dbs replicated databases on a
    verneuil mount, Spark local[2] (verneuil_fuse.spark) beside a sequential
    Python loop, cold and warm (a child process, bounded);
@@ -63,7 +68,7 @@ for p in (HERE, ROOT, os.path.join(ROOT, "tests")):
         sys.path.insert(0, p)
 
 import s3server  # noqa: E402
-from benchlib import drop_page_cache, moto_ranged, peers, report  # noqa: E402
+from benchlib import drop_page_cache, moto_ranged, nginx_rig, peers, report  # noqa: E402
 from benchlib.proxy import CountingProxy  # noqa: E402
 from replicas import Mount, unmount  # noqa: E402
 from s3server import REGION, S3Server, fake_aws_env, patched_environ  # noqa: E402
@@ -85,6 +90,9 @@ FANOUT_SQL = "SELECT count(*) AS n, sum(v) AS total, sum(length(note)) AS note_b
 FANOUT_SCHEMA = "n LONG, total DOUBLE, note_bytes LONG"
 
 SYSTEMS = ("verneuil", "s3fs", "rclone_off", "rclone_full", "restore", "local")
+# The readers measured again on the nginx rig: this mount beside the peer
+# that reads large ranges, the peer with a full cache, and the local file.
+RIG_SYSTEMS = ("verneuil", "s3fs", "rclone_full", "local")
 SYSTEM_LABELS = {
     "verneuil": "verneuil mount (this)",
     "s3fs": "s3fs-fuse",
@@ -210,6 +218,7 @@ class Bench:
                 self.phase("sync", self.bench_sync)
                 self.phase("ceiling", self.bench_ceiling)
                 self.phase("read", self.bench_read)
+                self.phase("rig", self.bench_rig)
                 self.phase("fanout", self.bench_fanout)
                 self.phase("storage", self.bench_storage)
             finally:
@@ -384,6 +393,8 @@ class Bench:
             cache = os.path.join(self.work, "vcache-%d" % self.n_mounts)
             opts = "cache_dir=%s,cache_size=%dM,refresh=3600,log_file=%s" % (
                 cache, 2 * self.args.size_mb + 256, mnt + ".log")
+            if self.args.mount_options:
+                opts += "," + self.args.mount_options
             m = Mount(self.store_url(self.chunks_bucket, self.manifests_bucket), mnt, opts).start(60)
             try:
                 return m, find_file(mnt, "src.db")
@@ -399,6 +410,19 @@ class Bench:
                                   system.split("_", 1)[1], cache).start("src.db")
             return m, m.path("src.db")
         raise ValueError(system)
+
+    def _profile(self, pid: int, system: str):
+        """With --profile DIR: py-spy sampling `pid` (native frames too), as
+        collapsed stacks in DIR/<system>-<n>.txt, until SIGINT; else None."""
+        if not self.args.profile or system != "verneuil":
+            return None
+        os.makedirs(self.args.profile, exist_ok=True)
+        out = os.path.join(self.args.profile, "%s-%d.txt" % (system, self.n_mounts))
+        spy = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid",
+                                str(pid), "--format", "raw", "--rate", "250", "--threads", "--native",
+                                "-o", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # attached
+        return spy
 
     def _drop_caches_on_disk(self) -> None:
         """Remove the disk caches of stopped mounts (bounded disk use)."""
@@ -427,7 +451,7 @@ class Bench:
         subprocess.run(cmd, check=True, timeout=3600, stdin=subprocess.DEVNULL)
         return time.monotonic() - t, self.delta(before), out
 
-    def bench_read(self) -> None:
+    def bench_read(self, key: str = "read", only: tuple = ()) -> None:
         rng = random.Random(7)
         keys = ["%016x" % rng.getrandbits(64) for _ in range(self.args.point_runs)]
         con = sqlite_ro(self.db)
@@ -435,7 +459,8 @@ class Bench:
         expected_scan = con.execute(SCAN_SQL).fetchone()
         con.close()
         size = os.path.getsize(self.db)
-        systems = [s for s in SYSTEMS if not self.args.systems or s in self.args.systems]
+        systems = [s for s in SYSTEMS if (not self.args.systems or s in self.args.systems)
+                   and (not only or s in only)]
         raw: dict = {s: {"point": [], "scan": [], "warm": [], "hot": []} for s in systems}
 
         def check(what, got, want):
@@ -476,8 +501,24 @@ class Bench:
             try:
                 drop_page_cache()
                 before = self.counted()
+                cpu = process_cpu_seconds(m.proc.pid)
+                spy = self._profile(m.proc.pid, system)
+                threads = thread_cpu_seconds(m.proc.pid)
                 dt, got = self._timed(path, SCAN_SQL)
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait(60)
+                    after = thread_cpu_seconds(m.proc.pid)
+                    # By thread id: py-spy's stacks name each thread with its id.
+                    by_name = {tid: cpu_s - threads.get(tid, (name, 0.0))[1]
+                               for tid, (name, cpu_s) in after.items()}
+                    with open(os.path.join(self.args.profile, "%s-%d-threads.json" % (system, self.n_mounts)),
+                              "w") as f:
+                        json.dump({k: round(v, 3) for k, v in sorted(by_name.items())}, f, indent=1)
                 d = self.delta(before)
+                d["cpu_s"] = round(process_cpu_seconds(m.proc.pid) - cpu, 3)
+                if d["gets"]:
+                    d["cpu_ms_per_get"] = round(d["cpu_s"] * 1e3 / d["gets"], 3)
                 check("%s scan" % system, got, expected_scan)
                 drop_page_cache()
                 before = self.counted()
@@ -539,7 +580,7 @@ class Bench:
                 fig = {"runs": len(runs), "median_s": round(median([r["s"] for r in runs]), 4),
                        "all_s": [round(r["s"], 4) for r in runs]}
                 for k in ("requests", "gets", "lists", "heads", "bytes_down", "restore_s",
-                          "gets_incl_prefetch", "bytes_down_incl_prefetch"):
+                          "gets_incl_prefetch", "bytes_down_incl_prefetch", "cpu_s", "cpu_ms_per_get"):
                     vals = [r[k] for r in runs if k in r]
                     if vals:
                         fig[k] = median(vals)
@@ -547,7 +588,124 @@ class Bench:
                     fig["MBps"] = round(size / 1e6 / fig["median_s"], 1)
                 agg[kind] = fig
             out["systems"][system] = agg
-        self.results["read"] = out
+        self.results[key] = out
+
+    # -- 5b. the readers against a store that is not the bottleneck ------
+    def bench_rig(self) -> None:
+        """The read phase again, with nginx serving the chunk objects and the
+        raw file (benchlib/nginx_rig.py) and moto the rest, the same latency
+        added per request; first the rig's own ceiling from curl, a C client."""
+        version = nginx_rig.ensure_nginx(log)
+        if version is None:
+            raise RuntimeError("nginx with its echo module is not available (Debian: nginx-light, "
+                               "libnginx-mod-http-echo)")
+        static = os.path.join(self.work, "static")
+        t = time.monotonic()
+        n = self._export_static(static)
+        log("rig: %d chunk objects and the raw file exported in %.0f s" % (n, time.monotonic() - t))
+        moto_port = urllib.parse.urlparse(self.server.moto_endpoint).port
+        rig = nginx_rig.NginxRig(os.path.join(self.work, "nginx"), static,
+                                 [self.chunks_bucket, self.raw_bucket], moto_port, self.args.latency_ms)
+        proxy, self.proxy = self.proxy, rig  # every reader's endpoint and meter
+        try:
+            self.results["rig"] = {"nginx": version, "latency_ms": self.args.latency_ms,
+                                   "ceiling": self._rig_ceiling(rig, static)}
+            log("rig ceiling: %s" % self.results["rig"]["ceiling"])
+            self.bench_read("read_rig", RIG_SYSTEMS)
+            self.results["rig"]["sync"] = self._rig_sync()
+            log("rig sync: %s" % self.results["rig"]["sync"])
+        finally:
+            self.proxy = proxy
+            rig.close()
+            shutil.rmtree(static, ignore_errors=True)
+
+    def _rig_sync(self) -> dict:
+        """The initial sync again, to the rig (chunk PUTs land in nginx's
+        files): `verneuilctl flush` with its default options after a fresh
+        full snapshot, beside one plain boto3 upload_file of the same file
+        (multipart, to moto through nginx); each process's own CPU."""
+        import resource
+
+        import bench_copier
+        from boto3.s3.transfer import TransferConfig
+
+        spool = os.path.join(self.work, "rig-spool")
+        os.makedirs(spool)
+        conn = bench_copier.open_writer(spool, self.db)  # a new spool: the whole file
+        conn.execute("PRAGMA user_version = 2")
+        conn.close()
+        size = os.path.getsize(self.db)
+        before, children = self.counted(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        t = time.monotonic()
+        subprocess.run([sys.executable, "-m", "verneuil_fuse.cli", "flush", "-q", "--store",
+                        self.store_url(self.chunks_bucket, self.manifests_bucket), "--spool", spool],
+                       check=True, timeout=3600, stdin=subprocess.DEVNULL)
+        flush_s = time.monotonic() - t
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
+        puts = self.delta(before)["puts"]
+        client = self.boto3()
+        t = time.monotonic()
+        client.upload_file(self.db, self.raw_bucket, "rig-upload.db",
+                           Config=TransferConfig(max_concurrency=self.args.workers))
+        plain_s = time.monotonic() - t
+        client.close()
+        return {"flush": "verneuilctl flush (default options)", "flush_s": round(flush_s, 2),
+                "flush_MBps": round(size / MB / flush_s, 1), "flush_puts": puts,
+                "flush_cpu_s": round(cpu, 2), "flush_cpu_ms_per_put": round(cpu * 1e3 / max(1, puts), 3),
+                "plain_upload_s": round(plain_s, 2), "plain_upload_MBps": round(size / MB / plain_s, 1),
+                "flush_vs_plain": round(plain_s / flush_s, 3)}
+
+    def _export_static(self, static: str) -> int:
+        """The chunk bucket's objects and the raw file as files under
+        `static`/<bucket>/<key> (what nginx serves); returns the chunk count."""
+        import boto3
+        from botocore.config import Config
+        client = boto3.client("s3", endpoint_url=self.server.moto_endpoint, region_name=REGION,
+                              config=Config(max_pool_connections=32, s3={"addressing_style": "path"}))
+        chunk_dir = os.path.join(static, self.chunks_bucket)
+        os.makedirs(chunk_dir)
+        keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.chunks_bucket)
+                for o in page.get("Contents", [])]
+
+        def fetch(key: str) -> None:
+            body = client.get_object(Bucket=self.chunks_bucket, Key=key)["Body"].read()
+            with open(os.path.join(chunk_dir, key), "wb") as f:
+                f.write(body)
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(fetch, keys))
+        client.close()
+        os.makedirs(os.path.join(static, self.raw_bucket))
+        shutil.copyfile(self.db, os.path.join(static, self.raw_bucket, "src.db"))
+        return len(keys)
+
+    def _rig_ceiling(self, rig, static: str) -> dict:
+        """curl --parallel over chunk objects (GETs/s, nginx's CPU per GET)
+        and one whole-object GET of the raw file."""
+        names = sorted(os.listdir(os.path.join(static, self.chunks_bucket)))[: self.args.ceiling_gets]
+        cfg = os.path.join(self.work, "curl-urls.cfg")
+        with open(cfg, "w") as f:
+            for name in names:
+                f.write('url = "%s/%s/%s"\noutput = "/dev/null"\n'
+                        % (rig.endpoint, self.chunks_bucket, urllib.parse.quote(name, safe="")))
+        out = {"client": "curl --parallel", "chunk_gets": len(names)}
+        for parallel in (16, 64):
+            cpu = rig.worker_cpu_seconds()
+            t = time.monotonic()
+            subprocess.run(["curl", "-sS", "--no-progress-meter", "--fail", "--parallel", "--parallel-max", str(parallel), "-K", cfg],
+                           check=True, timeout=600, stdout=subprocess.DEVNULL)
+            dt = time.monotonic() - t
+            out["GETs_per_s_%d" % parallel] = round(len(names) / dt, 1)
+            out["nginx_cpu_ms_per_get_%d" % parallel] = round((rig.worker_cpu_seconds() - cpu) * 1e3 / len(names), 3)
+        t = time.monotonic()
+        subprocess.run(["curl", "-s", "--fail", "-o", "/dev/null",
+                        "%s/%s/src.db" % (rig.endpoint, self.raw_bucket)], check=True, timeout=600)
+        out["whole_object_GET_MBps"] = round(os.path.getsize(self.db) / 1e6 / (time.monotonic() - t), 1)
+        out["bound"] = ("%d in flight / %.0f ms per request = %.0f GETs/s at most"
+                        % (64, self.args.latency_ms, 64 / (self.args.latency_ms / 1e3))
+                        if self.args.latency_ms else "nginx's one worker")
+        return out
 
     # -- 6. fan-out -------------------------------------------------------
     def bench_fanout(self) -> None:
@@ -794,6 +952,29 @@ def meta(args, cfg) -> dict:
     }
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (its threads included)."""
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_seconds(pid: int) -> dict:
+    """{thread id: (name, user + system CPU seconds)} of a process's threads."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/stat" % (pid, tid)) as f:
+                text = f.read()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        out[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
 def loadavg() -> float | None:
     try:
         return float(open("/proc/loadavg").read().split()[0])
@@ -864,11 +1045,15 @@ def main(argv=None) -> int:
     p.add_argument("--dedup-mb", type=int, help="size of each")
     p.add_argument("--ceiling-gets", type=int, default=2000, help="64 KiB GETs in the ceiling test")
     p.add_argument("--only", action="append",
-                   choices=["writer", "lag", "sync", "ceiling", "read", "fanout", "storage"],
+                   choices=["writer", "lag", "sync", "ceiling", "read", "rig", "fanout", "storage"],
                    help="run only these phases (sync is needed by ceiling and read)")
     p.add_argument("--systems", action="append", choices=SYSTEMS, help="readers to compare")
     p.add_argument("--work-dir", help="parent of the temporary directory (default /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    p.add_argument("--mount-options", metavar="OPTS",
+                   help="more -o options for the verneuil mounts (e.g. concurrency=64)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="sample the mount with py-spy during each cold scan (collapsed stacks in DIR)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--replot", action="store_true",
                    help="only rewrite results.md and the PNGs from --out's results.json")

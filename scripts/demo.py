@@ -6,7 +6,10 @@
   2. the store is mounted with FUSE;
   3. the replicas are queried with the `sqlite3` shell and with Spark, and the
      answers are checked against the source databases;
-  4. the mount is taken down.
+  4. history: one tenant's versions are listed, and the tenant as it was
+     before the writes (`tenant_00.db@TIME` on the mount) is queried beside
+     it now;
+  5. the mount is taken down.
 
 Everything lives under --dir (default ./demo); running again starts afresh
 (the chunk cache is kept, as it would be across remounts).
@@ -34,6 +37,11 @@ DEFAULT_WRITE_SECONDS = 5.0  # how long writes keep going while the copier runs
 MOUNT_WAIT_SECONDS = 30.0    # bound on waiting for the mount's files to appear
 QUERY = ("SELECT region, count(*) AS orders, round(sum(amount), 2) AS revenue "
          "FROM orders GROUP BY region ORDER BY region")
+HISTORY_QUERY = "SELECT count(*), round(sum(amount), 2) FROM orders"
+# Pause on each side of the moment the history step looks back to: file
+# ctimes (a version's time) come from the kernel's coarse clock, a tick
+# (a few ms) behind, so no commit lands within it of that moment.
+MARK_GAP_SECONDS = 0.1
 
 
 class DemoError(Exception):
@@ -100,11 +108,11 @@ def keep_writing(paths: list[str], seconds: float, writer_vfs) -> int:
     return commits
 
 
-def direct_results(paths: list[str]) -> dict[str, list[tuple]]:
+def direct_results(paths: list[str], query: str = QUERY) -> dict[str, list[tuple]]:
     out = {}
     for p in paths:
         con = sqlite3.connect("file:%s?mode=ro" % p, uri=True)
-        out[p] = [tuple(r) for r in con.execute(QUERY)]
+        out[p] = [tuple(r) for r in con.execute(query)]
         con.close()
     return out
 
@@ -117,6 +125,33 @@ def wait_for_files(replica_paths: list[str]) -> None:
         time.sleep(0.2)
     missing = [p for p in replica_paths if not os.path.exists(p)]
     raise DemoError("%d replicas did not appear on the mount, e.g. %s" % (len(missing), missing[0]))
+
+
+def show_history(store_url: str, path: str, replica: str, mark_ns: int, before: list[tuple]) -> None:
+    """List one tenant's versions, then query it as it was at `mark_ns`
+    (`<replica>@TIME` on the mount) beside it now; the past answer must be
+    `before`, what the source said then."""
+    from verneuil_fuse.history import format_time
+
+    step("History of %s: its versions, and a query on its past state beside the current one"
+         % os.path.basename(path))
+    listing = subprocess.run([os.path.join(VENV_BIN, "verneuilctl"), "versions", "--store", store_url,
+                              "-s", path], check=True, capture_output=True, text=True, timeout=120).stdout
+    lines = listing.strip().splitlines()
+    info("verneuilctl versions: %d versions; the first and the last:" % (len(lines) - 1))
+    for line in [lines[0], lines[1], lines[-1]]:
+        info("  " + line)
+    past = "%s@%s" % (replica, format_time(mark_ns))
+    answers = {}
+    for label, p in (("before the writes", past), ("now", replica)):
+        out = subprocess.run(["sqlite3", "-readonly", "file:%s?immutable=1" % p, HISTORY_QUERY + ";"],
+                             check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+        answers[label] = out
+        info("%-18s %-70s orders|revenue = %s" % (label, os.path.basename(p), out))
+    want = "|".join(str(v) for v in before[0])
+    if answers["before the writes"] != want:
+        raise DemoError("the past state answered %s, the source said %s then" % (answers["before the writes"], want))
+    info("the past state answers what the source said then (%s)" % want)
 
 
 def run(args) -> None:
@@ -144,6 +179,11 @@ def run(args) -> None:
     step("Copier running in the background while writes keep going (store: %s)" % store_url)
     bg = copier.start_background(spool, store_url)
     try:
+        bg.flush(timeout=120)
+        time.sleep(MARK_GAP_SECONDS)
+        mark_ns = time.time_ns()  # the past state queried in the history step
+        before = direct_results(paths[:1], HISTORY_QUERY)[paths[0]]
+        time.sleep(MARK_GAP_SECONDS)
         commits = keep_writing(paths, args.write_seconds, writer_vfs)
         t0 = time.monotonic()
         bg.flush(timeout=120)
@@ -202,6 +242,7 @@ def run(args) -> None:
             if sorted(got.get(p, [])) != sorted(expected[p]):
                 raise DemoError("Spark's answer for %s differs from the source database" % p)
         info("every replica's answer equals its source database's (%d commits replicated)" % commits)
+        show_history(store_url, paths[0], replicas[0], mark_ns, before)
     finally:
         step("Unmounting %s" % mnt)
         unmount(mnt)

@@ -313,7 +313,9 @@ class _Connection:
 class S3Server:
     """moto's S3 server in a subprocess, reachable through an outage proxy."""
 
-    def __init__(self, *, auth: bool = False, log_dir: str | None = None) -> None:
+    def __init__(self, *, auth: bool = False, log_dir: str | None = None, free_actions: int = 0) -> None:
+        """`auth`: moto checks every request's credentials and signature,
+        except the first `free_actions` (to create IAM users and keys)."""
         self.auth = auth
         self._moto_port = free_port()
         self._log = tempfile.NamedTemporaryFile(
@@ -322,7 +324,7 @@ class S3Server:
         env = dict(os.environ)
         env.update(fake_aws_env())
         if auth:
-            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(free_actions)
         else:
             env.pop("INITIAL_NO_AUTH_ACTION_COUNT", None)
         self._process = subprocess.Popen(

@@ -45,6 +45,9 @@ def _why_not() -> str | None:
     from benchlib import peers
 
     tools = peers.ensure_tools(lambda msg: None)  # apt-get install s3fs rclone if missing
+    from benchlib import nginx_rig
+
+    tools["nginx"] = nginx_rig.ensure_nginx(lambda msg: None)  # and nginx with its echo module
     missing = [name for name, version in tools.items() if version is None]
     if missing:
         return "could not install %s" % ", ".join(missing)
@@ -80,7 +83,7 @@ def quick_results(tmp_path_factory):
 def test_every_phase_ran(quick_results):
     r, out = quick_results
     assert r["errors"] == {}
-    for phase in ("writer", "lag", "sync", "ceiling", "read", "fanout", "storage", "summary"):
+    for phase in ("writer", "lag", "sync", "ceiling", "read", "rig", "read_rig", "fanout", "storage", "summary"):
         assert phase in r, phase
     assert r["meta"]["mode"] == "quick"
     assert r["meta"]["wall_seconds"] < TIMEOUT
@@ -92,6 +95,22 @@ def test_every_phase_ran(quick_results):
         return
     for name in ("readers.png", "system.png"):
         assert (out / name).stat().st_size > 10_000, name
+
+
+def test_rig_figures(quick_results):
+    """The readers again against nginx (benchlib/nginx_rig.py): the rig's
+    own ceiling from curl, and each reader's cold scan with its GETs; the
+    mount's CPU per GET is there."""
+    r, _ = quick_results
+    ceiling = r["rig"]["ceiling"]
+    assert ceiling["GETs_per_s_64"] > 0 and ceiling["whole_object_GET_MBps"] > 0
+    systems = r["read_rig"]["systems"]
+    assert set(systems) == {"verneuil", "s3fs", "rclone_full", "local"}
+    scan = systems["verneuil"]["scan"]
+    chunks = r["read_rig"]["db_bytes"] // 65536
+    assert chunks - 2 <= scan["gets"] <= chunks + 8  # one GET per chunk, chunk 0 in the manifest
+    assert scan["MBps"] > 0 and scan["cpu_ms_per_get"] > 0
+    assert systems["s3fs"]["scan"]["gets"] < scan["gets"]  # ranges, not chunks
 
 
 def test_writer_and_copier_figures(quick_results):

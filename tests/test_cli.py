@@ -23,7 +23,7 @@ from test_copier_support import Writer, vfs_available
 VECTORS = pathlib.Path(__file__).parent / "data" / "umash_verneuil.json"
 CTL = [sys.executable, "-m", "verneuil_fuse.cli"]
 SUBCOMMANDS = ["fingerprint", "manifest-name", "copier", "flush", "sync", "restore", "ls",
-               "manifest", "lag"]
+               "manifest", "lag", "versions"]
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,8 @@ def test_ls_and_manifest_outputs(replicated):
     text = proc.stdout.decode()
     assert w.path in text and fmt.local_hostname() in text and "VERSIONS" in text
     listing = json.loads(run(["ls", "--store", url, "--json"]).stdout)
-    assert listing[0]["size"] == len(w.data()) and listing[0]["versions"] == 1
+    # Each manifest upload is a version: the directory store keeps history.
+    assert listing[0]["size"] == len(w.data()) and listing[0]["versions"] >= 1
     manifest = json.loads(run(["manifest", "--store", url, "-s", w.path, "--json"]).stdout)
     assert manifest["len"] == len(w.data()) and manifest["path"] == w.path
     assert manifest["bundled_chunks"] == [0]
@@ -255,12 +256,30 @@ def test_flush_timeout_stops_uploads_midway(tmp_path):
     proc = run(["flush", "--store", url, "--spool", str(spool), "--rate", "5", "--burst", "1",
                 "--timeout", "1"])
     elapsed = time.monotonic() - start
-    assert_one_line_error(proc, "deadline", "--timeout 1s")
+    assert_one_line_error(proc, "deadline", "--timeout 1s", "paced at 5 requests/s (--rate")
     assert elapsed < 8, elapsed  # not the ~10 s the whole upload takes at this pace
     sent = os.listdir(store_dir / "chunks")
     assert 0 < len(sent) < 48
     # Earlier, smaller snapshots may have landed; the last one has not.
     assert run(["restore", "--store", url, "-s", w.path, "-o", "-"]).stdout != w.data()
+    assert_flush_restores(url, str(spool), w.path, w.data())
+    w.close()
+
+
+def test_flush_ships_unpaced_by_default(tmp_path):
+    """A one-off flush is not paced like the daemon (30 requests/s, 4
+    workers): it says so with -v, and ships the database with no --timeout."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    url = "file://%s/store" % tmp_path
+    w = Writer("py", str(spool), str(tmp_path / "app.db"))
+    w.execute("CREATE TABLE big(x)")
+    w.execute("INSERT INTO big VALUES (randomblob(3 << 20))")
+    w.bump()
+    proc = run(["flush", "-v", "--store", url, "--spool", str(spool)])
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stderr.decode()
+    assert "unpaced, 64 workers" in text and "MiB pending in" in text, text
     assert_flush_restores(url, str(spool), w.path, w.data())
     w.close()
 
@@ -460,11 +479,16 @@ def test_s3_round_trip_wrong_bucket_and_outage(s3_server, tmp_path):
     assert_one_line_error(run(["restore", "--store", bad, "-s", w.path, "-o", "-"]), "bucket")
     w.bump()
     assert_one_line_error(run(["flush", "--store", bad, "--spool", str(spool)]), "bucket")
-    # endpoint down: flush gives up after its timeout, exit non-zero
+    # endpoint down: flush gives up after its timeout, exit non-zero; with
+    # no --timeout (the default), once nothing was uploaded for --stall-timeout
     s3_server.stop()
     try:
         proc = run(["flush", "--store", store.url, "--spool", str(spool), "--timeout", "2"])
         assert_one_line_error(proc)
+        start = time.monotonic()
+        proc = run(["flush", "--store", store.url, "--spool", str(spool), "--stall-timeout", "2"])
+        assert_one_line_error(proc, "nothing was uploaded for 2s (--stall-timeout)")
+        assert time.monotonic() - start < 30
     finally:
         s3_server.start()
     assert run(["flush", "--store", store.url, "--spool", str(spool)]).returncode == 0

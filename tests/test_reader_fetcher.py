@@ -60,11 +60,15 @@ def chunks(local_store):
 
 
 def run(fetcher, fn):
+    """`fn()` with the fetcher bound as the mount binds it: flights cancelled
+    at the end, disk cache writes of chunks already fetched let finish."""
     async def main():
-        async with trio.open_nursery() as nursery:
-            fetcher.bind(nursery)
-            result = await fn()
-            nursery.cancel_scope.cancel()
+        async with trio.open_nursery() as writes:
+            async with trio.open_nursery() as nursery:
+                fetcher.bind(nursery, writes)
+                result = await fn()
+                nursery.cancel_scope.cancel()
+            writes.cancel_scope.deadline = trio.current_time() + 10
         return result
 
     return trio.run(main)

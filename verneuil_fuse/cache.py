@@ -373,6 +373,12 @@ class ChunkCache:
                     self._release_locked(seg)
         return advised
 
+    def might_have(self, fp: Fprint) -> bool:
+        """False when `get` and `contains` would surely say no: the index
+        lacks the chunk and is not due for a rescan (no I/O, no lock), so a
+        caller can skip a thread hop for a chunk it must fetch anyway."""
+        return fp in self._index or self._rescan_due()
+
     def contains(self, fp: Fprint) -> bool:
         with self._lock:
             if fp not in self._index and self._rescan_due():

@@ -33,6 +33,13 @@ when its listed size or mtime changed, or when it was fetched less than
 ``SETTLE_SECONDS`` after its listed mtime (so that two uploads within one
 second of the same size are not missed).
 
+Past states: ``<database>@<time>`` (``app.db@2026-11-26T19:00:00Z``, any
+time `history.parse_time` reads) in a database's directory is resolved on
+lookup only (never listed) to a pinned replica of the version current at that
+time (`past.PastStates`); an unknown database, a time no version is as old
+as, or a name that is not a time is ENOENT. Real entries win: a database
+whose own name holds an ``@`` is found as itself.
+
 Hydration (``hydrate``): each database's newest version is fetched into the
 disk cache in the background; one that could not fetch every chunk is tried
 again after ``HYDRATE_RETRY_SECONDS``; its progress is in the stats.
@@ -55,6 +62,8 @@ from verneuil_fuse import __version__, metrics
 from verneuil_fuse.fetcher import Fetcher, HydrateProgress
 from verneuil_fuse.format import ManifestError, parse_manifest_name
 from verneuil_fuse.format.names import MANGLE_KEEP
+from verneuil_fuse.history import BadTime, parse_time
+from verneuil_fuse.past import PastStates, split_name
 from verneuil_fuse.replica import PrefetchConfig, Replica
 from verneuil_fuse.store import StoreError, TooLarge
 
@@ -240,6 +249,7 @@ class Catalog:
         control.entries[METRICS_NAME] = self.metrics_file  # type: ignore[assignment]
         self.inodes[self.metrics_file.inode] = self.metrics_file
         self._control = control
+        self.past = PastStates(fetcher, self._alloc, prefetch=self.prefetch)
         self.extra_stats: Callable[[], dict] | None = None
 
     # ------------------------------------------------------------------ inodes
@@ -269,6 +279,26 @@ class Catalog:
         if isinstance(node, DbEntry):
             return node.current
         return node
+
+    async def lookup_past(self, parent_inode: int, name: str) -> Replica | None:
+        """The past state ``name`` (``<database>@<time>``) in directory
+        ``parent_inode``, or None. Store failures raise FetchError."""
+        parent = self.inodes.get(parent_inode)
+        parts = split_name(name)
+        if not isinstance(parent, Directory) or parts is None:
+            return None
+        entry = parent.entries.get(parts[0])
+        if not isinstance(entry, DbEntry):
+            return None
+        try:
+            at_ns = parse_time(parts[1], now_ns=int(self.clock() * 1e9))
+        except BadTime:
+            return None
+        replica = await self.past.resolve(entry.key, os.path.join(parent.path, name), at_ns,
+                                          live=entry.current.version)
+        if replica is not None:
+            self.inodes[replica.inode] = replica
+        return replica
 
     def listdir(self, inode: int) -> list[tuple[str, Any]]:
         d = self.inodes.get(inode)
@@ -305,6 +335,7 @@ class Catalog:
     def _maybe_drop(self, replica: Replica) -> None:
         if replica.lookups <= 0 and replica.opens <= 0 and not self._is_current(replica):
             self.inodes.pop(replica.inode, None)
+            self.past.forget(replica)
 
     # ----------------------------------------------------------------- refresh
     def _place(self, key: str) -> tuple[Directory, str] | None:

@@ -8,6 +8,7 @@ Subcommands (each has --help):
   flush          upload everything pending in a spool, once; exit 0 when done
   sync           force a snapshot of databases through the VFS, then flush
   restore        rebuild a database file from the store, every chunk verified
+  versions       every stored version of a database, with times; restore --at
   ls             replicated databases in a store
   manifest       decode one manifest
   lag            how far each database in a spool is behind
@@ -160,9 +161,28 @@ def _print_json(value: Any) -> None:
     sys.stdout.write("\n")
 
 
-def _copier_kwargs(args, cfg: dict) -> dict:
+# A one-off `flush` or `sync` ships at the store's speed: no pacing (that is
+# for the daemon's steady state, beside the writers), and enough uploads in
+# flight to hide 20 ms of latency per 64 KiB PUT at ~3,000 PUTs/s (each
+# worker waits for one PUT at a time; the HTTP engine carries them all).
+FLUSH_RATE = 0.0
+FLUSH_WORKERS = 64
+# `flush`/`sync` give up when nothing was uploaded for this long: a store
+# that stopped answering, not a large database (which keeps going as long as
+# uploads succeed). Two minutes outlast the copier's retries of an outage.
+FLUSH_STALL_SECONDS = 120.0
+# Progress lines when stderr is not a terminal (a log, a CI job): this often.
+FLUSH_PROGRESS_LOG_SECONDS = 10.0
+
+
+def _copier_kwargs(args, cfg: dict, one_off: bool = False) -> dict:
+    """Copier options: the command line, else the config's `copier` object
+    (the daemon's); `one_off` (flush, sync) ships unpaced with more workers
+    unless the command line says otherwise."""
     from . import config
     kw = config.copier_options(cfg)
+    if one_off:
+        kw["rate"], kw["workers"] = FLUSH_RATE, FLUSH_WORKERS
     for name in ("rate", "burst", "workers", "db_workers", "poll_interval", "lock_timeout"):
         value = getattr(args, name, None)
         if value is not None:
@@ -170,13 +190,13 @@ def _copier_kwargs(args, cfg: dict) -> dict:
     return kw
 
 
-def _make_copier(args, **extra):
+def _make_copier(args, one_off: bool = False, **extra):
     from . import config
     from .copier import Copier
     spool = _spool(args)
     store = _open_store(args)
     cfg = config.load_optional(args.store)
-    kw = _copier_kwargs(args, cfg)
+    kw = _copier_kwargs(args, cfg, one_off)
     kw.update(extra)
     return Copier(spool, store, **kw)
 
@@ -256,41 +276,72 @@ def cmd_copier(args) -> int:
     return EXIT_OK
 
 
+def _uploaded(copier) -> tuple:
+    """What `copier` has shipped so far (any change is progress)."""
+    st = copier.stats_snapshot()
+    return (st["chunks_uploaded"], st["chunks_skipped"], st["chunk_bytes_raw"],
+            st["manifests_uploaded"], st["manifests_skipped"])
+
+
 def _flush_with_progress(args, copier, names: Optional[set] = None) -> None:
-    """copier.flush(timeout) of every database of the spool (or those whose
-    spool directory is in `names`), with a progress bar of the chunk bytes
-    sent against those pending at the start (stderr, on a terminal only)."""
+    """copier.flush of every database of the spool (or those whose spool
+    directory is in `names`), watched by a thread: a progress bar of the
+    chunk bytes sent against those pending at the start (a line every
+    `FLUSH_PROGRESS_LOG_SECONDS` when stderr is not a terminal), and the end
+    of the flush once nothing was uploaded for `--stall-timeout` seconds.
+    Errors name the option that ended it."""
     import threading
+
+    from .copier import Stopped
     from .copier.status import spool_status
     progress = _Progress(not args.quiet)
+    total = sum(db["pending_bytes"] for db in spool_status(copier.spool_dir)
+                if names is None or db["dbdir"] in names)
+    log.info("flush: %s pending in %s -> %s (%s, %d workers)", _fmt_size(total), copier.spool_dir,
+             copier.store.describe(),
+             "%g requests/s" % copier.bucket.rate if copier.bucket.rate else "unpaced", copier.workers)
     done = threading.Event()
-    watcher = None
-    if progress.enabled:
-        total = sum(db["pending_bytes"] for db in spool_status(copier.spool_dir)
-                    if names is None or db["dbdir"] in names)
+    stalled = threading.Event()
 
-        def watch() -> None:
-            while True:
-                last = done.wait(0.2)
-                progress(min(copier.stats.chunk_bytes_raw, total), total)
-                if last:
-                    return
+    def watch() -> None:
+        last, last_change, last_line = _uploaded(copier), time.monotonic(), time.monotonic()
+        while not done.wait(0.2):
+            now, sent = time.monotonic(), _uploaded(copier)
+            if sent != last:
+                last, last_change = sent, now
+            elif args.stall_timeout and now - last_change >= args.stall_timeout:
+                stalled.set()
+                copier.stop_event.set()
+                return
+            shipped = min(sent[2], total)
+            progress(shipped, total)
+            if not progress.enabled and now - last_line >= FLUSH_PROGRESS_LOG_SECONDS and total:
+                last_line = now
+                log.info("flush: %s of %s sent (%.0f%%)", _fmt_size(shipped), _fmt_size(total),
+                         100.0 * shipped / total)
 
-        watcher = threading.Thread(target=watch, name="flush-progress", daemon=True)
-        watcher.start()
+    watcher = threading.Thread(target=watch, name="flush-watch", daemon=True)
+    watcher.start()
     try:
         copier.flush(timeout=args.timeout, only=None if names is None else (lambda db: db.name in names))
+    except Stopped:
+        if not stalled.is_set():
+            raise
+        error = copier.stats_snapshot()["last_error"] or "no error reported"
+        raise UserError("nothing was uploaded for %gs (--stall-timeout); the store's last error: %s"
+                        % (args.stall_timeout, error)) from None
     except TimeoutError as e:
-        raise UserError("%s (--timeout %gs)" % (e, args.timeout)) from None
+        paced = ("; uploads were paced at %g requests/s (--rate; 0 sends as fast as the store takes)"
+                 % copier.bucket.rate if copier.bucket.rate else "")
+        raise UserError("%s (--timeout %gs%s)" % (e, args.timeout, paced)) from None
     finally:
         done.set()
-        if watcher is not None:
-            watcher.join()
-            progress.finish()
+        watcher.join()
+        progress.finish()
 
 
 def cmd_flush(args) -> int:
-    copier = _make_copier(args)
+    copier = _make_copier(args, one_off=True)
     try:
         _flush_with_progress(args, copier)
     finally:
@@ -375,7 +426,7 @@ def cmd_sync(args) -> int:
             raise UserError("%s: the VFS spooled no snapshot of the current file: %s%s" % (
                 path, why, "" if args.verbose else " (run with -v to see the VFS's log)"))
         wanted.add(db.name)
-    copier = _make_copier(args, create_spool=True)
+    copier = _make_copier(args, one_off=True, create_spool=True)
     try:
         _flush_with_progress(args, copier, wanted)
     finally:
@@ -425,13 +476,63 @@ def _check_restore_target(path: str, force: bool) -> None:
         raise UserError("cannot write %s: directory %s is not writable" % (path, parent), EXIT_USAGE)
 
 
+def _relative_at(argv: list[str]) -> list[str]:
+    """`--at -2h` as `--at=-2h`: argparse takes a value starting with '-'
+    that is not a number for an option."""
+    from .history import RELATIVE_RE
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--at" and RELATIVE_RE.match(arg):
+            out[-1] = "--at=" + arg
+        else:
+            out.append(arg)
+    return out
+
+
+def _parse_at(text: str) -> int:
+    """--at TIME in nanoseconds since the epoch (history.parse_time)."""
+    from .history import BadTime, parse_time
+    try:
+        return parse_time(text)
+    except BadTime as e:
+        raise UserError("--at: %s" % e, EXIT_USAGE) from None
+
+
+def _pick_version_at(args, store) -> None:
+    """Set args.version_id to the version of the database current at
+    --at (the newest whose time is at or before it)."""
+    from . import format as fmt
+    from .history import format_time, version_at
+    at_ns = _parse_at(args.at)
+    name = _manifest_key(args)
+    version, infos = version_at(store, name, at_ns,
+                                max_db_size=args.max_db_size or fmt.DEFAULT_MAX_DB_SIZE)
+    if not infos:
+        raise UserError("no such replicated database in %s: manifest %s"
+                        % (store.manifests.describe(), name))
+    if version is None:
+        raise UserError("no version of %s is as old as %s (%d versions; see verneuilctl versions)"
+                        % (name, format_time(at_ns), len(infos)))
+    log.info("--at %s: version %s from %s", format_time(at_ns), version.info.version_id,
+             format_time(version.time_ns))
+    args.version_id = version.info.version_id
+
+
 def cmd_restore(args) -> int:
     import tempfile
     from .copier.restore import restore_to_path, write_snapshot
+    if args.at is not None:  # refused before anything else: a bad time, two ways to pick
+        _parse_at(args.at)
+        if args.version_id:
+            raise UserError("give --at or --version-id, not both", EXIT_USAGE)
+        if args.manifest_file:
+            raise UserError("--at picks a version in the store: not with --manifest-file", EXIT_USAGE)
     if args.out != "-":
         _check_restore_target(args.out, args.force)
     store = _open_store(args, read_only=True)
     try:
+        if args.at is not None:
+            _pick_version_at(args, store)
         name, m = _load_manifest(args, store)
         progress = _Progress(not args.quiet)
         try:
@@ -460,6 +561,48 @@ def cmd_restore(args) -> int:
             raise
     finally:
         store.close()
+    return EXIT_OK
+
+
+def cmd_versions(args) -> int:
+    """Every stored version of one database, oldest first."""
+    from . import format as fmt
+    from .history import check_chunks, list_history, load_all
+    store = _open_store(args, read_only=True)
+    try:
+        name = _manifest_key(args)
+        infos = list_history(store, name)
+        if not infos:
+            raise UserError("no such replicated database in %s: manifest %s"
+                            % (store.manifests.describe(), name))
+        versions = load_all(store, name, infos, workers=args.workers,
+                            max_db_size=args.max_db_size or fmt.DEFAULT_MAX_DB_SIZE)
+        if not args.no_check:
+            check_chunks(store, versions, workers=args.workers)
+    finally:
+        store.close()
+    rows = [v.describe() for v in versions]
+    if args.json:
+        _print_json(rows)
+        return EXIT_OK
+    table = [("TIME", "SIZE", "CHUNKS", "VERSION ID", "")]
+    for r in rows:
+        if "error" in r:
+            chunks = "ERROR"
+        elif r["missing_chunks"] is None:
+            chunks = "%d" % r["chunks"]
+        else:
+            chunks = "%d, %s" % (r["chunks"], "all present" if r["complete"]
+                                 else "%d MISSING" % r["missing_chunks"])
+        table.append((r["time"] + ("" if r["time_source"] == "manifest" else " (store)"),
+                      _fmt_size(r["size"]), chunks, r["version_id"],
+                      "latest" if r["is_latest"] else ""))
+    widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
+    for t in table:
+        print("  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip())
+    for r in rows:
+        if "error" in r:
+            print("warning: version %s: %s" % (r["version_id"], r["error"]), file=sys.stderr)
     return EXIT_OK
 
 
@@ -882,6 +1025,15 @@ def _add_max_db_size(p: argparse.ArgumentParser) -> None:
                         "what a manifest may make this command read and allocate")
 
 
+def _add_flush_limits(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--timeout", type=_positive_float, default=None,
+                   help="give up after this many seconds in all (default: none, as long as "
+                        "uploads make progress)")
+    p.add_argument("--stall-timeout", type=_positive_float, default=FLUSH_STALL_SECONDS,
+                   help="give up when nothing was uploaded for this many seconds (default %g; 0: never)"
+                        % FLUSH_STALL_SECONDS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="count", default=0,
@@ -906,9 +1058,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="an older version of the manifest (versioned buckets)")
     pacing = argparse.ArgumentParser(add_help=False)
     pacing.add_argument("--rate", type=_positive_float,
-                        help="store requests per second (0 = unpaced; default 30)")
+                        help="store requests per second (0 = unpaced; default 30 for the daemon, "
+                             "unpaced for flush and sync)")
     pacing.add_argument("--burst", type=int, help="token bucket burst (default 100)")
-    pacing.add_argument("--workers", type=int, help="parallel chunk uploads (default 4)")
+    pacing.add_argument("--workers", type=int, help="parallel chunk uploads (default 4 for the daemon, %d for flush and sync)"
+                        % FLUSH_WORKERS)
     pacing.add_argument("--db-workers", type=int, help="databases handled at once (default 4)")
     pacing.add_argument("--lock-timeout", type=_positive_float,
                         help="seconds to wait for a database's copier lock (default 5)")
@@ -966,16 +1120,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="upload everything pending in a spool, once",
                        description="Upload every pending snapshot; exit 0 only when the store "
                                    "holds them all.")
-    p.add_argument("--timeout", type=_positive_float, default=120.0,
-                   help="give up after this many seconds (default 120)")
+    _add_flush_limits(p)
     p.set_defaults(func=cmd_flush)
 
     p = sub.add_parser("sync", parents=[common, store, spool, pacing],
                        help="force a snapshot of databases through the VFS, then flush them",
                        description="Open each DB with the verneuil VFS, commit a no-op write "
                                    "transaction (so the VFS publishes a snapshot), then upload.")
-    p.add_argument("--timeout", type=_positive_float, default=120.0,
-                   help="give up after this many seconds (default 120)")
+    _add_flush_limits(p)
     p.add_argument("db", nargs="+", metavar="DB", help="database file")
     p.set_defaults(func=cmd_sync)
 
@@ -989,8 +1141,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--force", action="store_true",
                    help="replace FILE if it exists (atomically; a symlink is replaced, "
                         "not followed)")
+    p.add_argument("--at", metavar="TIME",
+                   help="the version current at TIME: the newest whose time (its manifest's "
+                        "ctime) is at or before it; ISO 8601 (2026-11-26T19:00:00Z, no zone = "
+                        "UTC, up to 9 decimals) or relative (-2h, -30m, -1d); not with "
+                        "--version-id")
     _add_max_db_size(p)
     p.set_defaults(func=cmd_restore)
+
+    p = sub.add_parser("versions", parents=[common, store],
+                       help="every stored version of a database, oldest first",
+                       description="List every version of one database's manifest in the store "
+                                   "(a versioned bucket, or a directory store's kept versions), "
+                                   "oldest first: its time (the manifest's ctime, else the "
+                                   "store's, marked '(store)'), size, version id, and whether "
+                                   "the store still holds every chunk it needs.")
+    p.add_argument("--hostname", help="host the database lives on (default: this one)")
+    p.add_argument("-s", "--source-path", metavar="PATH",
+                   help="path of the database on its host (made canonical without --hostname)")
+    p.add_argument("-m", "--manifest", metavar="NAME", help="manifest blob name")
+    p.add_argument("--json", action="store_true", help="JSON output (a list, oldest first)")
+    p.add_argument("--no-check", action="store_true",
+                   help="do not check that the chunks are present (one request per distinct "
+                        "chunk fewer)")
+    p.add_argument("--workers", type=_nonneg_int, default=8,
+                   help="store requests in flight at once (default 8)")
+    _add_max_db_size(p)
+    p.set_defaults(func=cmd_versions)
 
     p = sub.add_parser("ls", parents=[common, store],
                        help="replicated databases in a store",
@@ -1084,7 +1261,7 @@ def _error(message: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_relative_at(sys.argv[1:] if argv is None else argv))
     if args.command is None:  # `verneuilctl` alone: the commands, as --help lists them
         parser.print_help(sys.stderr)
         return EXIT_USAGE

@@ -10,6 +10,9 @@ replicas out, errors translated to errno. The only module that raises
 - At a version's first open, its bundled chunks (chunk 0, and the chunks of
   the upper b-tree levels a writer may bundle) are stored in the kernel's
   page cache (`Replica.take_preload`), before any read.
+- Past states (``app.db@<time>``, see `catalog`) are looked up like any
+  name, with a store request or a few when not cached; a store that fails
+  then answers ``EREMOTEIO``.
 - ``/.verneuil/stats`` is rendered at open (``direct_io``, so its size does
   not matter).
 - Errors: a read whose chunk cannot be obtained from the store (unreachable,
@@ -175,6 +178,12 @@ class VerneuilFS(pyfuse3.Operations):
             node = node.parent or node if isinstance(node, Directory) else node
         else:
             node = self.catalog.lookup(parent_inode, text)
+            if node is None and "@" in text:
+                try:
+                    node = await self.catalog.lookup_past(parent_inode, text)
+                except FetchError as e:
+                    log.error("lookup %s: %s", text, e)
+                    raise pyfuse3.FUSEError(STORE_ERRNO) from None
         if node is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         self.catalog.remember(node)

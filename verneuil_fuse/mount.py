@@ -28,8 +28,9 @@ import time
 from dataclasses import dataclass, field
 
 from verneuil_fuse import __version__
-from verneuil_fuse.fetcher import DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE
+from verneuil_fuse.fetcher import DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_CONCURRENCY, DEFAULT_DEADLINE
 from verneuil_fuse.format import CHUNK_SIZE, DEFAULT_MAX_DB_SIZE
+from verneuil_fuse.replica import PrefetchConfig
 
 log = logging.getLogger("verneuil_fuse.mount")
 
@@ -65,7 +66,7 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
   refresh=SECONDS         how often the store is polled for new or removed
                           databases and versions (default 10)
   readahead=on|off        sequential readahead (default on)
-  readahead_max=N         largest readahead window, in 64 KiB chunks (default 32)
+  readahead_max=N         largest readahead window, in 64 KiB chunks (default 64)
   cache_readahead_max=N   largest readahead window for chunks already in the
                           disk cache, in chunks: no GET, the kernel is advised
                           to read them from the cache's files (many reads in
@@ -74,7 +75,7 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
   btree_prefetch=on|off   B-tree-aware prefetch of the sibling pages a scan
                           reads next (default on)
   btree_max=N             largest B-tree prefetch window, in chunks (default 32)
-  concurrency=N           parallel GETs to the store, 1-256 (default 16)
+  concurrency=N           parallel GETs to the store, 1-256 (default 64)
   prefetch_concurrency=N  of which prefetches may use at most N (default 3/4)
   retries=N               retries of a failed or slow GET (default 4)
   timeout=SECONDS         time limit of one GET attempt (default 10)
@@ -120,10 +121,9 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
 # (docs/READER.md). Random reads are not read ahead.
 DEFAULT_READ_AHEAD_KB = 4096
 
-# Largest `concurrency`: each GET in flight holds a worker thread and an
-# HTTP connection (the pool is sized from it). The store's own ceiling is
-# reached with 16-32 here (docs/READER.md); 256 leaves room for a far store
-# while a typo (50000000) cannot exhaust memory at start-up.
+# Largest `concurrency`: each GET in flight holds an HTTP connection (and a
+# worker thread on a directory store); 256 leaves room for a far store while
+# a typo (50000000) cannot exhaust memory at start-up.
 MAX_CONCURRENCY = 256
 # Smallest non-zero `cache_size`: the disk cache keeps its bound by evicting
 # whole segments, 16 of them, of at least 1 MiB each (cache.py), so a bound
@@ -182,11 +182,11 @@ class Options:
     mem_cache: int = 64 << 20
     refresh: float = 10.0
     readahead: bool = True
-    readahead_max: int = 32
+    readahead_max: int = PrefetchConfig.readahead_max
     cache_readahead_max: int = 0
     btree_prefetch: bool = True
     btree_max: int = 32
-    concurrency: int = 16
+    concurrency: int = DEFAULT_CONCURRENCY
     prefetch_concurrency: int | None = None
     retries: int = 4
     timeout: float = DEFAULT_ATTEMPT_TIMEOUT
@@ -633,7 +633,6 @@ async def serve(opts: Options, store, ready) -> None:
     from verneuil_fuse.catalog import Catalog
     from verneuil_fuse.fetcher import Fetcher
     from verneuil_fuse.fs import VerneuilFS
-    from verneuil_fuse.replica import PrefetchConfig
     from verneuil_fuse.store import StoreError
 
     cache = None

@@ -154,6 +154,42 @@ def markdown(r: dict) -> str:
                 lines.append("- s3fs/rclone cold scans: %s." % b["peers_scan"])
             lines.append("")
 
+    # Readers on the nginx rig.
+    rig, rread = r.get("rig"), r.get("read_rig")
+    if rig and rread:
+        c = rig["ceiling"]
+        lines += ["## Readers on a store that is not the bottleneck (nginx, %s ms per request)"
+                  % _n(rig["latency_ms"]), "",
+                  "nginx serves the chunk objects and the raw file from files, moto the rest "
+                  "(benchlib/nginx_rig.py). The rig's own ceiling, from curl --parallel: %s GETs/s "
+                  "with 16 in flight, %s with 64 (nginx's CPU %s ms per GET; %s); one whole-object "
+                  "GET %s MB/s." % (_n(c["GETs_per_s_16"]), _n(c["GETs_per_s_64"]),
+                                    c["nginx_cpu_ms_per_get_64"], c["bound"], c["whole_object_GET_MBps"]), "",
+                  "| system | cold point query | GETs | cold full scan | MB/s | GETs | process CPU "
+                  "| CPU per GET | warm full scan | hot full scan |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for sysname in ORDER:
+            x = rread["systems"].get(sysname)
+            if not x:
+                continue
+            p, sc, w, hot = x.get("point", {}), x.get("scan", {}), x.get("warm", {}), x.get("hot", {})
+            label = "**%s**" % LABELS[sysname] if sysname == "verneuil" else LABELS[sysname]
+            lines.append("| %s | %s | %s | %s s | %s | %s | %s | %s | %s s | %s s |" % (
+                label, _time(p.get("median_s")), _n(p.get("gets")), _s(sc.get("median_s")),
+                sc.get("MBps", "–"), _n(sc.get("gets")),
+                "%s s" % sc["cpu_s"] if "cpu_s" in sc else "–",
+                "%s ms" % sc["cpu_ms_per_get"] if "cpu_ms_per_get" in sc else "–",
+                _s(w.get("median_s")), _s(hot.get("median_s"))))
+        lines.append("")
+        sy = rig.get("sync")
+        if sy:
+            lines += ["Initial sync to the rig (chunk PUTs land in nginx's files): %s %s MB/s (%s s, "
+                      "%s PUTs, %s ms of its CPU per PUT) against one plain boto3 upload_file %s MB/s "
+                      "(%s s, multipart to moto): ×%s the speed." % (
+                          sy["flush"], sy["flush_MBps"], sy["flush_s"], _n(sy["flush_puts"]),
+                          sy["flush_cpu_ms_per_put"], sy["plain_upload_MBps"], sy["plain_upload_s"],
+                          sy["flush_vs_plain"]), ""]
+
     # System figures.
     lines += ["## The rest of the system", "", "| figure | this system | baseline, same run | this system vs baseline |",
               "|---|---:|---:|---:|"]

@@ -159,12 +159,13 @@ class Copier:
         """One store request: paced, retried while transient."""
         def attempt():
             deadline = self._deadline
-            if deadline is not None and time.monotonic() >= deadline:
-                # flush(timeout): no new request once it is over (what was
-                # uploaded stays uploaded; the rest is still in the spool).
+            if (deadline is not None and time.monotonic() >= deadline) or \
+                    not self.bucket.acquire(1, self.stop_event, deadline):
+                # flush(timeout): no new request once it is over, nor one
+                # whose token would come after it (what was uploaded stays
+                # uploaded; the rest is still in the spool).
                 raise TimeoutError("gave up at the deadline with uploads still pending in %s"
                                    % self.spool_dir)
-            self.bucket.acquire(1, self.stop_event)
             self._count(requests=1)
             return fn()
         return retry(attempt, transient=(TransientError,), backoff=self.backoff,

@@ -57,11 +57,16 @@ class TokenBucket:
                 return 0.0
             return (n - self._tokens) / self.rate
 
-    def acquire(self, n: float = 1.0, stop: Optional[threading.Event] = None) -> None:
+    def acquire(self, n: float = 1.0, stop: Optional[threading.Event] = None,
+                deadline: Optional[float] = None) -> bool:
+        """Wait for `n` tokens; False, without them, when they would come
+        after `deadline` (a time.monotonic() value); Stopped on `stop`."""
         while True:
             wait = self.try_acquire(n)
             if wait <= 0:
-                return
+                return True
+            if deadline is not None and time.monotonic() + wait > deadline:
+                return False
             if stop is not None:
                 if stop.wait(wait):
                     raise Stopped()

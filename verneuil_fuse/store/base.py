@@ -122,7 +122,8 @@ class ObjectInfo:
 @dataclasses.dataclass(frozen=True, slots=True)
 class VersionInfo:
     """One version of a blob.  `version_id` is opaque ("null" for unversioned
-    buckets and for directory stores); `is_latest` marks the current one."""
+    buckets and for a directory store's blobs kept without history);
+    `is_latest` marks the current one."""
 
     key: str
     version_id: str
@@ -231,8 +232,9 @@ class Backend(Protocol):
 
     def list_versions(self, key: str) -> list[VersionInfo]:
         """Versions of one key, newest first (delete markers left out); empty if
-        there are none.  A directory store has at most the current one, with
-        version id "null"."""
+        there are none.  A directory store lists the versions it kept (its
+        manifests: `local` module docstring), else the current one alone,
+        with version id "null"."""
         ...
 
     def get_version(self, key: str, version_id: str, max_bytes: int | None = None) -> bytes:

@@ -7,8 +7,12 @@ into backends.  Accepted specs (`parse_config` / `open_store`):
   may itself be any of the string forms below (Verneuil puts JSON or
   ``@/path/to/file.json`` there).
 - ``file:///dir`` or a plain absolute path ``/dir``: the directory store
-  ``<dir>/chunks/`` + ``<dir>/manifests/``.  Query option ``create=false``:
-  do not create missing directories (report `BucketNotFound` instead).
+  ``<dir>/chunks/`` + ``<dir>/manifests/``.  Query options: ``create=false``:
+  do not create missing directories (report `BucketNotFound` instead);
+  ``keep_versions=N`` (default `DEFAULT_KEEP_VERSIONS`; 0: no history) and
+  ``keep_days=D`` (default `DEFAULT_KEEP_DAYS`; 0: no age bound): how many
+  past versions of each manifest the store keeps, and for how long after
+  they stopped being current (`local` module docstring).
 - ``s3://CHUNK_BUCKET?manifest_bucket=M&endpoint=http://127.0.0.1:9000&region=us-east-1&addressing=path``
   with these optional query parameters (unknown ones are refused):
 
@@ -34,7 +38,8 @@ into backends.  Accepted specs (`parse_config` / `open_store`):
   "domain_addressing", "create_buckets_on_demand"}}`` (plus this project's
   optional ``chunk_prefix`` / ``manifest_prefix``; an omitted
   ``manifest_bucket`` means one bucket, as in the URL) or this project's
-  ``{"directory": {"path": "/dir", "create": true}}``.  ``local`` and
+  ``{"directory": {"path": "/dir", "create": true, "keep_versions": 1000,
+  "keep_days": 7}}``.  ``local`` and
   ``read_only`` entries are chunk caches, not stores, and are skipped here.
   A bare target (``{"s3": {...}}`` or ``{"directory": {...}}``) is accepted
   too.
@@ -57,6 +62,16 @@ from typing import Any, Mapping
 
 from .base import ConfigError, Store
 from .local import LocalBackend
+
+# A directory store's manifest history (the S3 equivalent is the manifest
+# bucket's versioning and its lifecycle rule).  1000 past versions cost about
+# 1000 manifests per database (each holds its chunk 0, a few KiB compressed,
+# plus 16 bytes per chunk), and 7 days covers a week of mistakes to undo; a
+# database committing every second reaches the count bound first, so its
+# history is its last 1000 uploads.
+DEFAULT_KEEP_VERSIONS = 1000
+DEFAULT_KEEP_DAYS = 7.0
+SECONDS_PER_DAY = 86400.0
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +106,7 @@ S3_URL_PARAMS = frozenset(
         "create_buckets_on_demand",
     }
 )
-FILE_URL_PARAMS = frozenset({"create"})
+FILE_URL_PARAMS = frozenset({"create", "keep_versions", "keep_days"})
 
 # Spellings of booleans in URLs.
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
@@ -241,6 +256,9 @@ def _parse_file_url(text: str) -> dict[str, Any]:
     directory: dict[str, Any] = {"path": os.path.normpath(path)}
     if "create" in params:
         directory["create"] = _bool(params["create"], "file URL parameter create")
+    for name in ("keep_versions", "keep_days"):
+        if name in params:
+            directory[name] = params[name]  # checked by _normalize_directory
     return {"directory": directory}
 
 
@@ -296,7 +314,7 @@ def _parse_s3_url(text: str) -> dict[str, Any]:
 
 def store_target(config: Mapping[str, Any]) -> dict[str, Any]:
     """The normalized store target of a parsed configuration:
-    ``{"kind": "directory", "path", "create"}`` or ``{"kind": "s3", "chunk_bucket",
+    ``{"kind": "directory", "path", "create", "keep_versions", "keep_days"}`` or ``{"kind": "s3", "chunk_bucket",
     "manifest_bucket", "chunk_prefix", "manifest_prefix", "endpoint", "region",
     "addressing", "create_buckets_on_demand"}``."""
     targets = config.get("replication_targets")
@@ -342,7 +360,31 @@ def _normalize_directory(body: Any, where: str) -> dict[str, Any]:
     if not os.path.isabs(path) or "\0" in path:
         raise ConfigError(f"{where}.path must be an absolute path, not {_quote_spec(path)}")
     create = _bool(body.get("create", True), f"{where}.create")
-    return {"kind": "directory", "path": os.path.normpath(path), "create": create}
+    keep_versions, keep_days = _retention(body, where)
+    return {"kind": "directory", "path": os.path.normpath(path), "create": create,
+            "keep_versions": keep_versions, "keep_days": keep_days}
+
+
+def _retention(body: Mapping[str, Any], where: str) -> tuple[int, float]:
+    """(keep_versions, keep_days) of a directory target: numbers >= 0, given
+    as numbers (JSON) or text (URL)."""
+    out: list[Any] = []
+    for name, convert, default in (("keep_versions", int, DEFAULT_KEEP_VERSIONS),
+                                   ("keep_days", float, DEFAULT_KEEP_DAYS)):
+        value = body.get(name, default)
+        bad = ConfigError(f"{where}.{name} must be a number >= 0, not {_quote_spec(str(value))}")
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise bad
+        try:
+            number = convert(value)
+        except (ValueError, OverflowError):
+            raise bad from None
+        if isinstance(value, float) and number != value:  # keep_versions 2.5
+            raise bad
+        if not 0 <= number < float("inf"):  # also refuses NaN
+            raise bad
+        out.append(number)
+    return out[0], out[1]
 
 
 def _check_bucket_name(name: str, what: str) -> None:
@@ -419,7 +461,12 @@ def target_url(target: Mapping[str, Any]) -> str:
     """Canonical URL of a normalized target (`open_store` reopens it)."""
     if target["kind"] == "directory":
         url = "file://" + urllib.parse.quote(target["path"])
-        return url if target.get("create", True) else url + "?create=false"
+        options = [] if target.get("create", True) else ["create=false"]
+        if target.get("keep_versions", DEFAULT_KEEP_VERSIONS) != DEFAULT_KEEP_VERSIONS:
+            options.append("keep_versions=%d" % target["keep_versions"])
+        if target.get("keep_days", DEFAULT_KEEP_DAYS) != DEFAULT_KEEP_DAYS:
+            options.append("keep_days=%r" % target["keep_days"])
+        return url + ("?" + "&".join(options) if options else "")
     params = [("manifest_bucket", target["manifest_bucket"])]
     for name in ("chunk_prefix", "manifest_prefix"):
         if target[name]:
@@ -450,7 +497,12 @@ def open_store(spec: str | os.PathLike[str] | Mapping[str, Any] | None = None, *
         root = target["path"]
         store = Store(
             chunks=LocalBackend(os.path.join(root, CHUNKS_SUBDIR), create=target["create"]),
-            manifests=LocalBackend(os.path.join(root, MANIFESTS_SUBDIR), create=target["create"]),
+            manifests=LocalBackend(
+                os.path.join(root, MANIFESTS_SUBDIR),
+                create=target["create"],
+                keep_versions=target["keep_versions"],
+                keep_seconds=target["keep_days"] * SECONDS_PER_DAY,
+            ),
             url=url,
         )
     else:

@@ -3,6 +3,14 @@
 
 This module is the only place in the project that imports boto3/botocore.  It
 owns:
+- the cheap path for object GETs and PUTs: `curl.CurlEngine` (libcurl's
+  multi interface: many requests in flight on one thread, a tenth of a boto3
+  call's CPU), with the URL botocore builds for the bucket (addressing style,
+  endpoint, region), the credentials botocore's chain gives the client at
+  each request, and libcurl's own SigV4 signing (in C: Python signing cost
+  more than the rest of the request); `get_async` hands the answer to a
+  callback without a thread per request.  Listings, versions, HEADs, conditional PUTs, bucket creation
+  and everything else go through boto3;
 - the client configuration: connection pool size, timeouts, retry policy,
   endpoint, region, path or virtual-host ("domain") addressing; credentials
   always come from boto3's default chain (environment, ~/.aws, instance or
@@ -19,13 +27,19 @@ root of the chunk and manifest buckets) and strips it from listings.
 from __future__ import annotations
 
 import logging
+import re
+import threading
+import time
 import urllib.parse
 from typing import Any, Callable, Iterator
 
 import boto3
+import botocore
 import botocore.exceptions
 import botocore.session
 from botocore.config import Config
+
+from .curl import BodyTooLarge, CurlEngine, Request, Response
 
 from .base import (
     AccessDenied,
@@ -70,6 +84,23 @@ READ_TIMEOUT = 15.0
 # errors).  Small on purpose: callers (copier, fetcher) run their own retry
 # loops with longer backoff, and stacked retries multiply outage latency.
 MAX_ATTEMPTS = 3
+
+# Objects GET/PUT through the engine are signed without hashing the body,
+# as botocore does over HTTPS by default: the reader verifies every chunk's
+# fingerprint, and TLS protects the bytes in transit.
+UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
+# Attempts of one synchronous engine request (`get`, `put`) for a transient
+# failure, first included, when the client's configuration names none: as
+# botocore's standard mode does for the boto3 path, so callers see the same
+# behaviour whichever path served them.
+ENGINE_ATTEMPTS = MAX_ATTEMPTS
+# Longest time of one engine request, in seconds, when the caller gives none:
+# the connect timeout plus enough for a manifest of a 64 GiB database (18
+# MiB) at a slow 2 MB/s.
+ENGINE_REQUEST_TIMEOUT = 15.0
+ENGINE_LARGE_REQUEST_TIMEOUT = 120.0
+# A body above this size gets the long timeout: manifests, not chunks.
+ENGINE_LARGE_BODY = 1 << 20
 
 # Keys per ListObjectsV2 / ListObjectVersions page.  1000 is S3's maximum, so
 # the fewest round trips; tests pass a tiny value to exercise pagination.
@@ -141,6 +172,22 @@ _CREDENTIAL_EXCEPTIONS: tuple[type[BaseException], ...] = (
     botocore.exceptions.PartialCredentialsError,
     botocore.exceptions.CredentialRetrievalError,
 )
+
+
+# The engine path's pieces: a key marking where keys go in an object URL, an
+# error answer's code and message, the codes of a bucket in another region,
+# and the pause before a synchronous engine request's next attempt.
+_URL_MARKER = "verneuil-url-marker"
+# Keys whose URL form only needs "%" escaped (chunk and manifest names).
+_PLAIN_KEY = re.compile(r"\A[A-Za-z0-9._%-]+\Z")
+_XML_CODE = re.compile(rb"<Code>([^<]{1,100})</Code>")
+_XML_MESSAGE = re.compile(rb"<Message>([^<]{0,400})</Message>")
+_REGION_CODES = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"})
+ENGINE_RETRY_BACKOFF = 0.05
+
+
+class _Redirected:
+    """An engine answer that boto3 must serve instead."""
 
 
 def safe_endpoint(endpoint: str | None) -> str | None:
@@ -233,6 +280,7 @@ class S3Backend:
         create_bucket_on_demand: bool = False,
         versioned: bool = False,
         endpoint: str | None = None,
+        use_engine: bool = True,
     ) -> None:
         if not bucket or "/" in bucket:
             raise ConfigError(f"invalid S3 bucket name {bucket!r}")
@@ -247,6 +295,12 @@ class S3Backend:
         # Set once the bucket is known to exist, so that a 404 on HEAD (which
         # cannot tell "no key" from "no bucket") costs a HeadBucket only once.
         self._bucket_confirmed = False
+        # The engine path (see the module's docstring): off when asked, when
+        # the client cannot sign, or once the bucket redirects to a region.
+        self.use_engine = use_engine
+        self._engine: CurlEngine | None = None
+        self._url_prefix: str | None = None
+        self._engine_lock = threading.Lock()
 
     # -- helpers ---------------------------------------------------------
 
@@ -264,7 +318,13 @@ class S3Backend:
         return f"S3Backend({self.describe()!r})"
 
     def close(self) -> None:
-        """Close the (possibly shared) client's connections; idempotent."""
+        """Close the (possibly shared) client's connections and this
+        backend's engine; idempotent."""
+        with self._engine_lock:
+            engine, self._engine = self._engine, None
+            self.use_engine = False
+        if engine is not None:
+            engine.close()
         close = getattr(self.client, "close", None)
         if close is not None:
             close()
@@ -285,18 +345,8 @@ class S3Backend:
             error = exc.response.get("Error", {}) or {}
             code = str(error.get("Code", "") or "")
             status = (exc.response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode")
-            message = str(error.get("Message", "") or "")[:MAX_QUOTED_MESSAGE]
-            if code in DENIED_CODES or status == 403:
-                # No server message: some echo request details.
-                return AccessDenied(f"{op} {where}: access denied ({code or status})", key=key)
-            detail = f"{code or status}" + (f" ({message})" if message else "")
-            if code in BUCKET_NOT_FOUND_CODES:
-                return BucketNotFound(f"{op} {where}: bucket {self.bucket} does not exist", key=key)
-            if code in NOT_FOUND_CODES or status == 404:
-                return NotFound(f"{op} {where}: not found ({detail})", key=key)
-            if code in TRANSIENT_CODES or (isinstance(status, int) and status >= 500):
-                return TransientError(f"{op} {where}: {detail}", key=key)
-            return StoreError(f"{op} {where}: {detail}", key=key)
+            message = str(error.get("Message", "") or "")
+            return self._answer_error(op, key, code, status, message)
         if isinstance(exc, _CREDENTIAL_EXCEPTIONS):
             return AccessDenied(
                 f"{op} {where}: no usable AWS credentials "
@@ -308,6 +358,22 @@ class S3Backend:
                 f"{op} {where}: cannot reach S3 ({type(exc).__name__})", key=key
             )
         return StoreError(f"{op} {where}: {type(exc).__name__}: {exc}", key=key)
+
+    def _answer_error(self, op: str, key: str | None, code: str, status: Any, message: str) -> StoreError:
+        """The StoreError for an S3 error answer (its code and HTTP status)."""
+        where = self._where(key)
+        message = message[:MAX_QUOTED_MESSAGE]
+        if code in DENIED_CODES or status == 403:
+            # No server message: some echo request details.
+            return AccessDenied(f"{op} {where}: access denied ({code or status})", key=key)
+        detail = f"{code or status}" + (f" ({message})" if message else "")
+        if code in BUCKET_NOT_FOUND_CODES:
+            return BucketNotFound(f"{op} {where}: bucket {self.bucket} does not exist", key=key)
+        if code in NOT_FOUND_CODES or status == 404:
+            return NotFound(f"{op} {where}: not found ({detail})", key=key)
+        if code in TRANSIENT_CODES or (isinstance(status, int) and status >= 500):
+            return TransientError(f"{op} {where}: {detail}", key=key)
+        return StoreError(f"{op} {where}: {detail}", key=key)
 
     def _call(self, op: str, key: str | None, method: Callable[..., Any], **kwargs: Any) -> Any:
         try:
@@ -418,10 +484,153 @@ class S3Backend:
         self._create_bucket()
         return self._call(op, key, method, **kwargs)
 
+    # -- the engine path (store/curl.py) ---------------------------------
+
+    def _engine_prefix(self) -> str | None:
+        """The URL of the bucket's objects up to the key, as botocore builds
+        it (addressing style, endpoint, region), or None: no engine path."""
+        with self._engine_lock:
+            if self._url_prefix is None and self.use_engine:
+                version = self.client.meta.config.signature_version
+                if version not in (None, "s3v4", "v4", botocore.UNSIGNED):
+                    self.use_engine = False  # libcurl signs SigV4 only
+                    return None
+                try:
+                    url = self.client.generate_presigned_url(
+                        "get_object", Params={"Bucket": self.bucket, "Key": _URL_MARKER}, ExpiresIn=60)
+                    self._url_prefix = url.split("?", 1)[0].rsplit(_URL_MARKER, 1)[0]
+                    self._engine = CurlEngine()
+                except Exception as exc:  # noqa: BLE001 - boto3 serves instead, with its own error
+                    logger.debug("%s: no engine path (%s)", self.describe(), exc)
+                    self.use_engine = False
+            return self._url_prefix if self.use_engine else None
+
+    def _engine_off(self, why: str) -> None:
+        if self.use_engine:
+            self.use_engine = False
+            logger.warning("%s: %s; object GETs and PUTs go through boto3 from now on", self.describe(), why)
+
+    def _engine_request(self, method: str, key: str, body: bytes | None, max_bytes: int | None,
+                        timeout: float | None) -> Request | None:
+        """The request for `key`, with what libcurl needs to sign it (SigV4,
+        the credentials botocore's chain gives the client now), or None: no
+        engine path."""
+        prefix = self._engine_prefix()
+        if prefix is None:
+            return None
+        full = self._full(key)
+        url = prefix + (full.replace("%", "%25") if _PLAIN_KEY.match(full)
+                        else urllib.parse.quote(full, safe="/~"))
+        headers = ["x-amz-content-sha256: " + UNSIGNED_PAYLOAD]
+        sigv4 = None
+        config = self.client.meta.config
+        if config.signature_version is not botocore.UNSIGNED:
+            try:
+                credentials = self.client._request_signer._credentials
+                frozen = credentials.get_frozen_credentials() if credentials is not None else None
+            except Exception as exc:  # noqa: BLE001 - boto3 reports it in its own words
+                logger.debug("%s: no credentials for the engine (%s)", self.describe(), exc)
+                return None
+            if frozen is None or not frozen.access_key:
+                return None  # boto3 says "no credentials"
+            sigv4 = ("aws:amz:%s:s3" % (self.region or "us-east-1"), frozen.access_key, frozen.secret_key)
+            if frozen.token:
+                headers.append("x-amz-security-token: " + frozen.token)
+        size = len(body) if body is not None else max_bytes or 0
+        if timeout is None:
+            timeout = ENGINE_LARGE_REQUEST_TIMEOUT if size > ENGINE_LARGE_BODY else ENGINE_REQUEST_TIMEOUT
+        return Request(method, url, headers, body=body, max_bytes=max_bytes, sigv4=sigv4,
+                       connect_timeout=config.connect_timeout or CONNECT_TIMEOUT,
+                       idle_timeout=config.read_timeout or READ_TIMEOUT, timeout=timeout)
+
+    def _engine_answer(self, op: str, key: str, result: Response | OSError,
+                       max_bytes: int | None) -> bytes | StoreError:
+        """The body of a 2xx answer, or the StoreError `result` means."""
+        where = self._where(key)
+        if isinstance(result, OSError):
+            if isinstance(result, BodyTooLarge) and max_bytes is not None:
+                return too_large(op, where, key, result.size, max_bytes)
+            return TransientError(f"{op} {where}: cannot reach S3 ({result.strerror or result})", key=key)
+        if 200 <= result.status < 300:
+            return result.body
+        match = _XML_CODE.search(result.body[:4096])
+        code = match.group(1).decode("ascii", "replace") if match else ""
+        match = _XML_MESSAGE.search(result.body[:4096])
+        message = match.group(1).decode("utf-8", "replace") if match else ""
+        if result.status in (301, 307) or code in _REGION_CODES:
+            # Another region than the client's: boto3 follows such redirects.
+            self._engine_off("the bucket answers from another region (%s)" % (code or result.status))
+            return _Redirected()
+        return self._answer_error(op, key, code, result.status, message)
+
+    def get_async(self, key: str, max_bytes: int | None, done: Callable[[bytes | StoreError], None],
+                  timeout: float | None = None) -> bool:
+        """Start a GET of `key` on the engine; `done` gets the body or a
+        StoreError on the engine's thread (keep it short).  False, and
+        nothing started, when the engine path is not available (then call
+        `get` in a thread)."""
+        check_max_bytes(max_bytes)
+        request = self._engine_request("GET", key, None, max_bytes, timeout)
+        if request is None:
+            return False
+
+        def finish(result: Response | OSError) -> None:
+            answer = self._engine_answer("get", key, result, max_bytes)
+            if isinstance(answer, _Redirected):
+                try:
+                    answer = self._get_boto3(key, max_bytes)
+                except StoreError as error:
+                    answer = error
+            done(answer)
+
+        try:
+            self._engine.submit(request, finish)
+        except OSError:
+            return False
+        return True
+
+    def _engine_sync(self, op: str, method: str, key: str, body: bytes | None,
+                     max_bytes: int | None) -> bytes | None:
+        """One engine request and its answer, waited for here, with
+        attempts for transient failures as the client's retry configuration
+        says (botocore's total_max_attempts); None: use boto3."""
+        retries = self.client.meta.config.retries or {}
+        attempts = max(1, int(retries.get("total_max_attempts", ENGINE_ATTEMPTS)))
+        for attempt in range(attempts):
+            request = self._engine_request(method, key, body, max_bytes, None)
+            if request is None:
+                return None
+            box: list = []
+            ready = threading.Event()
+
+            def finish(result: Response | OSError) -> None:
+                box.append(result)
+                ready.set()
+
+            try:
+                self._engine.submit(request, finish)
+            except OSError:
+                return None
+            ready.wait()
+            answer = self._engine_answer(op, key, box[0], max_bytes)
+            if isinstance(answer, _Redirected):
+                return None
+            if isinstance(answer, TransientError) and attempt + 1 < attempts:
+                time.sleep(ENGINE_RETRY_BACKOFF * (2 ** attempt))
+                continue
+            if isinstance(answer, StoreError):
+                raise answer
+            return answer
+        return None  # not reached
+
     # -- Backend ---------------------------------------------------------
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes:
         check_max_bytes(max_bytes)
+        data = self._engine_sync("get", "GET", key, None, max_bytes)
+        return data if data is not None else self._get_boto3(key, max_bytes)
+
+    def _get_boto3(self, key: str, max_bytes: int | None) -> bytes:
         response = self._call("get", key, self.client.get_object, Key=self._full(key))
         return self._read_body("get", key, response, max_bytes)
 
@@ -451,7 +660,14 @@ class S3Backend:
         return data
 
     def put(self, key: str, data: bytes) -> None:
-        self._write("put", key, self.client.put_object, Key=self._full(key), Body=data)
+        try:
+            sent = self._engine_sync("put", "PUT", key, bytes(data), None) is not None
+        except BucketNotFound:
+            if not self.create_bucket_on_demand:
+                raise
+            sent = False  # boto3's path creates it
+        if not sent:
+            self._write("put", key, self.client.put_object, Key=self._full(key), Body=data)
         logger.debug("put %s (%d bytes)", self._where(key), len(data))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:

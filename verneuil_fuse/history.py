@@ -1,0 +1,248 @@
+"""A database's past states: the time of each manifest version, the version
+current at a given time, and how times are written.
+
+A database's history is the list of its manifest's versions in the store
+(`Backend.list_versions`: a versioned S3 bucket, or a directory store's kept
+versions), in the order the store received them.  The *time* of a version is
+the source file's ctime its manifest carries (nanoseconds; the moment the
+database was in that state, also the mtime the mount shows) when the manifest
+can be read and the ctime is plausible, else the store's time of the upload.
+
+The state at time T is the newest version whose time is at or before T (a
+version whose time is exactly T counts).  Copiers upload a database's
+manifests in order (COPIER.md), so times grow along the history, and
+`newest_at` finds that version by binary search: O(log n) manifests read,
+not n.
+
+Times are written (`parse_time`) as ISO 8601: ``2026-11-26``,
+``2026-11-26T19:00``, ``2026-11-26T19:00:00``, with up to 9 decimals of
+seconds, ``T`` or a space between date and time, and a zone ``Z``,
+``+02:00``, ``+0200`` or ``+02`` (none: UTC); or relative to now:
+``-2h``, ``-30m``, ``-1d``, ``-1h30m``, ``-90s``, ``-1w``.  `format_time`
+writes the form `parse_time` reads back to the nanosecond (UTC, ``Z``).
+
+Used by `verneuilctl versions` / `restore --at` (the blocking helpers at the
+end) and by the mount's past states (`catalog`, through `newest_at_async`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import re
+import time
+from typing import Any, Awaitable, Callable, Optional
+
+log = logging.getLogger(__name__)
+
+NS = 1_000_000_000
+# Latest time accepted from a manifest, in seconds: 2**63 - 1 nanoseconds
+# (year 2262), the most a file time can hold (and what the mount can show).
+MAX_TIME_S = ((1 << 63) - 1) // NS - 1
+
+# ISO 8601 date, optional time (minutes or seconds, up to 9 decimals) and
+# optional zone.
+_ISO_RE = re.compile(
+    r"\A(\d{4})-(\d{2})-(\d{2})"
+    r"(?:[Tt ](\d{2}):(\d{2})(?::(\d{2})(?:[.,](\d{1,9}))?)?)?"
+    r"(?:([Zz])|([+-])(\d{2})(?::?(\d{2}))?)?\Z")
+# A relative time: a minus sign, then one or more number + unit.
+RELATIVE_RE = re.compile(r"\A-((?:\d+(?:\.\d+)?[smhdw])+)\Z")
+_RELATIVE_PART_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+# Longest time text accepted (the longest ISO form is 35 characters): a name
+# looked up on the mount may be anything up to 255 bytes.
+MAX_TIME_TEXT = 64
+
+
+class BadTime(ValueError):
+    """A time that `parse_time` cannot read; the message is one line."""
+
+
+def parse_time(text: str, now_ns: Optional[int] = None) -> int:
+    """Nanoseconds since the epoch of an ISO 8601 or relative time (module
+    docstring); `now_ns` (default: the clock) anchors relative times."""
+    if not isinstance(text, str) or len(text) > MAX_TIME_TEXT:
+        raise BadTime("not a time: %r" % (text if isinstance(text, str) else type(text).__name__))
+    stripped = text.strip()
+    rel = RELATIVE_RE.match(stripped)
+    if rel is not None:
+        ago = sum(float(n) * _UNIT_SECONDS[u] for n, u in _RELATIVE_PART_RE.findall(rel.group(1)))
+        now = time.time_ns() if now_ns is None else now_ns
+        return now - int(round(ago * NS))
+    m = _ISO_RE.match(stripped)
+    if m is None:
+        raise BadTime("not a time: %r (use ISO 8601 such as 2026-11-26T19:00:00Z, or -2h, -30m, -1d)"
+                      % text)
+    year, month, day, hour, minute, second, frac, zulu, sign, zh, zm = m.groups()
+    try:
+        moment = datetime.datetime(int(year), int(month), int(day), int(hour or 0), int(minute or 0),
+                                   int(second or 0), tzinfo=datetime.timezone.utc)
+    except ValueError as e:
+        raise BadTime("not a time: %r (%s)" % (text, e)) from None
+    offset = 0
+    if sign is not None:
+        hours, minutes = int(zh), int(zm or 0)
+        if hours > 23 or minutes > 59:
+            raise BadTime("not a time: %r (bad zone offset)" % text)
+        offset = (hours * 3600 + minutes * 60) * (1 if sign == "+" else -1)
+    seconds = int(moment.timestamp()) - offset
+    nanos = int((frac or "0").ljust(9, "0"))
+    return seconds * NS + nanos
+
+
+def format_time(ns: int) -> str:
+    """``2026-11-26T19:00:00.123456789Z`` (decimals only as many as needed),
+    which `parse_time` reads back to the same nanosecond."""
+    seconds, nanos = divmod(int(ns), NS)
+    moment = datetime.datetime.fromtimestamp(seconds, tz=datetime.timezone.utc)
+    text = moment.strftime("%Y-%m-%dT%H:%M:%S")
+    if nanos:
+        text += "." + ("%09d" % nanos).rstrip("0")
+    return text + "Z"
+
+
+def version_time_ns(manifest: Any, store_time: float) -> tuple[int, str]:
+    """(time in ns, "manifest" or "store"): the manifest's ctime when it is
+    plausible (1970 to `MAX_TIME_S`, nanoseconds below one second), else the
+    store's time of the upload.  `manifest` may be None (unreadable)."""
+    if manifest is not None:
+        seconds, nanos = manifest.ctime, manifest.ctime_ns
+        if 0 < seconds <= MAX_TIME_S and 0 <= nanos < NS:
+            return seconds * NS + nanos, "manifest"
+    store_time = store_time if 0 <= store_time <= MAX_TIME_S else 0
+    return int(round(store_time * NS)), "store"
+
+
+def newest_at(count: int, at_ns: int, time_of: Callable[[int], int]) -> Optional[int]:
+    """Index of the newest of `count` versions (oldest first) whose time
+    (`time_of(index)`) is at or before `at_ns`; None when none is that old.
+    The newest version is looked at first (the common "now-ish" case), then
+    a binary search."""
+    if count == 0:
+        return None
+    if time_of(count - 1) <= at_ns:
+        return count - 1
+    lo, hi = 0, count - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if time_of(mid) <= at_ns:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1 if lo > 0 else None
+
+
+async def newest_at_async(count: int, at_ns: int,
+                          time_of: Callable[[int], Awaitable[int]]) -> Optional[int]:
+    """`newest_at` with an async `time_of` (the mount)."""
+    if count == 0:
+        return None
+    if await time_of(count - 1) <= at_ns:
+        return count - 1
+    lo, hi = 0, count - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if await time_of(mid) <= at_ns:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1 if lo > 0 else None
+
+
+# -- blocking helpers (verneuilctl) --------------------------------------------
+
+@dataclasses.dataclass
+class Version:
+    """One version of a database's manifest, read (or not) from the store."""
+
+    info: Any  # store.VersionInfo
+    time_ns: int
+    time_source: str  # "manifest" or "store"
+    manifest: Any = None  # format.Manifest, None when unreadable
+    error: Optional[str] = None
+    missing_chunks: Optional[int] = None  # None: not checked
+
+    def describe(self) -> dict:
+        m = self.manifest
+        out = {"version_id": self.info.version_id, "time": format_time(self.time_ns),
+               "time_ns": self.time_ns, "time_source": self.time_source,
+               "store_time": format_time(int(self.info.mtime * NS)), "blob_size": self.info.size,
+               "is_latest": self.info.is_latest, "size": m.len if m is not None else None,
+               "chunks": len(m.chunks) if m is not None else None,
+               "missing_chunks": self.missing_chunks,
+               "complete": None if self.missing_chunks is None and self.error is None
+               else (self.error is None and self.missing_chunks == 0)}
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+def load_version(store, key: str, info, max_db_size: int) -> Version:
+    """The version `info` of manifest `key`, decoded (base chunk fetched)
+    when possible; an unreadable one gets the store's time and an error."""
+    from .copier.restore import RestoreError, fetch_manifest
+    try:
+        m = fetch_manifest(store, key, info.version_id, max_db_size=max_db_size)
+    except RestoreError as e:
+        t, source = version_time_ns(None, info.mtime)
+        return Version(info, t, source, error=str(e))
+    t, source = version_time_ns(m, info.mtime)
+    return Version(info, t, source, manifest=m)
+
+
+def list_history(store, key: str) -> list:
+    """The VersionInfo of every version of `key`, oldest first."""
+    return list(reversed(store.manifests.list_versions(key)))
+
+
+def load_all(store, key: str, infos: list, *, max_db_size: int, workers: int) -> list[Version]:
+    """Every version of `infos` read, `workers` at a time, in the same order."""
+    from .copier.pool import DaemonPool
+    pool = DaemonPool(max(1, workers), name="history")
+    try:
+        results = pool.map(lambda info: load_version(store, key, info, max_db_size), infos)
+    finally:
+        pool.close()
+    out = []
+    for ok, value in results:
+        if not ok:
+            raise value
+        out.append(value)
+    return out
+
+
+def check_chunks(store, versions: list[Version], *, workers: int) -> None:
+    """Set `missing_chunks` of every readable version: one existence check
+    per distinct chunk of them all, `workers` at a time."""
+    from .copier.pool import DaemonPool
+    from .copier.repair import find_missing, live_chunks
+    needed: dict = {}
+    for v in versions:
+        if v.manifest is not None:
+            needed.update(dict.fromkeys(live_chunks(v.manifest)))
+    pool = DaemonPool(max(1, workers), name="history-check")
+    try:
+        missing = set(find_missing(store, list(needed), pool))
+    finally:
+        pool.close()
+    for v in versions:
+        if v.manifest is not None:
+            v.missing_chunks = sum(1 for fp in live_chunks(v.manifest) if fp in missing)
+
+
+def version_at(store, key: str, at_ns: int, *, max_db_size: int) -> tuple[Optional[Version], list]:
+    """(the version current at `at_ns` or None, every VersionInfo oldest
+    first), reading O(log n) manifests."""
+    infos = list_history(store, key)
+    loaded: dict[int, Version] = {}
+
+    def time_of(index: int) -> int:
+        if index not in loaded:
+            loaded[index] = load_version(store, key, infos[index], max_db_size)
+        return loaded[index].time_ns
+
+    index = newest_at(len(infos), at_ns, time_of)
+    log.debug("%s at %s: version %s of %d (%d manifests read)", key, format_time(at_ns),
+              index, len(infos), len(loaded))
+    return (loaded[index] if index is not None else None), infos
