@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import socket
 import threading
 import time
@@ -57,7 +58,8 @@ def test_engine_path_serves_gets_puts_and_errors(s3_store):
 
 
 def test_engine_missing_bucket_and_creation_on_demand(s3_server):
-    url = s3_server.url("no-such-chunks", s3_server.new_bucket("m", versioned=True))
+    # A name of this test's own: the bucket exists once created on demand.
+    url = s3_server.url("engine-on-demand-%d" % os.getpid(), s3_server.new_bucket("m", versioned=True))
     store = open_store(url)
     try:
         with pytest.raises(BucketNotFound):
