@@ -535,10 +535,14 @@ class Fetcher:
         slot = False
         try:
             if flight.prefetch and not flight.promoted:
-                with trio.CancelScope() as flight.wait_scope:
-                    await self.prefetch_slots.acquire_on_behalf_of(flight)
+                try:  # a free slot costs no trip through the scheduler
+                    self.prefetch_slots.acquire_on_behalf_of_nowait(flight)
                     slot = True
-                flight.wait_scope = None
+                except trio.WouldBlock:
+                    with trio.CancelScope() as flight.wait_scope:
+                        await self.prefetch_slots.acquire_on_behalf_of(flight)
+                        slot = True
+                    flight.wait_scope = None
             flight.data = await self._load(fp, flight, hydrate)
         except FetchError as e:
             flight.error = e
@@ -639,11 +643,14 @@ class Fetcher:
             return len(blob), decode_chunk(blob, fp)
 
         async def attempt_once() -> tuple[int, bytes, bool]:
+            # The engine's request has `timeout` as its own bound; a thread's
+            # is abandoned after it.
             answer = await self._get_async(backend, name, fp, slot)
             if answer is not None:
                 return answer[0], answer[1], True
-            size, data = await trio.to_thread.run_sync(get_and_decode, abandon_on_cancel=True,
-                                                       limiter=self.thread_limiter)
+            with trio.fail_after(self.timeout):
+                size, data = await trio.to_thread.run_sync(get_and_decode, abandon_on_cancel=True,
+                                                           limiter=self.thread_limiter)
             return size, data, False
 
         last: BaseException | None = None
@@ -656,10 +663,15 @@ class Fetcher:
                 start = time.monotonic()
                 attempts += 1
                 try:
-                    async with self.io_limiter:
+                    try:  # a free one costs no trip through the scheduler
+                        self.io_limiter.acquire_nowait()
+                    except trio.WouldBlock:
+                        await self.io_limiter.acquire()
+                    try:
                         self.stats["gets"] += 1
-                        with trio.fail_after(self.timeout):
-                            size, data, cached = await attempt_once()
+                        size, data, cached = await attempt_once()
+                    finally:
+                        self.io_limiter.release()
                     self.stats["get_bytes"] += size
                     log.debug("GET %s: %d bytes in %.3fs", name, size, time.monotonic() - start)
                     self._store_answered()
