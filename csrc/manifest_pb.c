@@ -1,5 +1,5 @@
 /*
- * Protobuf encoding of the Manifest (see manifest_pb.h and FORMAT.md).
+ * Protobuf encoding of the Manifest (see manifest_pb.h and docs/FORMAT.md).
  */
 #include "manifest_pb.h"
 
@@ -15,7 +15,7 @@ static_assert(sizeof(uint64_t) == 8, "fixed64 words are 8 bytes");
 /* Wire types. */
 enum { WT_VARINT = 0, WT_I64 = 1, WT_LEN = 2, WT_I32 = 5 };
 
-/* FORMAT.md: chunk i starts at byte i * 65536 (its chunk_offset). */
+/* docs/FORMAT.md: chunk i starts at byte i * 65536 (its chunk_offset). */
 #define VN_CHUNK_BYTES ((uint64_t)65536)
 
 #define TAG(field, wt) (((uint64_t)(field) << 3) | (wt))

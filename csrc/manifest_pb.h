@@ -1,5 +1,5 @@
 /*
- * A small protobuf encoder/decoder for the Manifest of FORMAT.md
+ * A small protobuf encoder/decoder for the Manifest of docs/FORMAT.md
  * (proto/manifest.proto), just what the writer needs.
  *
  * The encoder writes fields in field-number order and omits proto3 default
@@ -18,10 +18,10 @@
 
 #include "umash.h"
 
-/* The producer tag this project writes in `generated_by` (FORMAT.md). */
+/* The producer tag this project writes in `generated_by` (docs/FORMAT.md). */
 #define VN_GENERATED_BY "verneuil_fuse-v0.1.0"
 
-/* Verneuil's cap on a decompressed manifest (FORMAT.md): 384 MiB. */
+/* Verneuil's cap on a decompressed manifest (docs/FORMAT.md): 384 MiB. */
 #define VN_MAX_MANIFEST_BYTES ((size_t)3 << 27)
 
 /* Longest version_id we produce or accept for incremental reuse: 16 bytes of

@@ -19,7 +19,7 @@
  * on the database, taken after the write transaction's snapshot was staged
  * (for the `verneuil` VFS: after xUnlock(SHARED) returned).
  *
- * What is checked (FORMAT.md, docs/SPOOL.md), against staging/meta/<name>:
+ * What is checked (docs/FORMAT.md, docs/SPOOL.md), against staging/meta/<name>:
  *   - the manifest decodes, `len` is the file's size and `chunks` has one
  *     fingerprint per 64 KiB chunk;
  *   - header_fprint is the fingerprint of bytes [0, 100) of the file, and

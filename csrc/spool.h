@@ -25,21 +25,21 @@
 
 #include "umash.h"
 
-/* FORMAT.md: chunks are 64 KiB (SQLite's largest page), aligned on file
+/* docs/FORMAT.md: chunks are 64 KiB (SQLite's largest page), aligned on file
  * offsets; the last one may be short. */
 #define VN_CHUNK_SIZE 65536
 
-/* FORMAT.md: chunk names are "%016x%%2F%016x": 35 characters. */
+/* docs/FORMAT.md: chunk names are "%016x%%2F%016x": 35 characters. */
 #define VN_CHUNK_NAME_LEN 35
 
-/* FORMAT.md: a percent-encoded manifest name of this many bytes or more is
+/* docs/FORMAT.md: a percent-encoded manifest name of this many bytes or more is
  * shortened to its first and last VN_MANGLE_KEEP bytes around a fingerprint;
  * so a name never exceeds 2 * 104 + 32 = 240 bytes (NAME_MAX is 255). */
 #define VN_MANGLE_THRESHOLD 230
 #define VN_MANGLE_KEEP 104
 #define VN_MANIFEST_NAME_MAX (2 * VN_MANGLE_KEEP + 32 + 1)
 
-/* The six parameter sets of FORMAT.md, derived once at registration. */
+/* The six parameter sets of docs/FORMAT.md, derived once at registration. */
 struct vn_keys {
 	struct vn_umash_params chunk;
 	struct vn_umash_params directory;
@@ -71,7 +71,7 @@ int vn_spool_init(struct vn_spool *spool, const struct vn_keys *keys,
     const char *spool_root, const char *canon);
 void vn_spool_fini(struct vn_spool *spool);
 
-/* The manifest name of FORMAT.md for `canon` on this host. */
+/* The manifest name of docs/FORMAT.md for `canon` on this host. */
 int vn_manifest_name(const struct vn_keys *keys, const char *canon,
     char out[VN_MANIFEST_NAME_MAX]);
 

@@ -21,7 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static_assert(VN_CHUNK_SIZE == 65536, "FORMAT.md fixes chunks at 64 KiB");
+static_assert(VN_CHUNK_SIZE == 65536, "docs/FORMAT.md fixes chunks at 64 KiB");
 static_assert(VN_CHUNK_SIZE >= 65536, "a chunk holds SQLite's largest page");
 static_assert(VN_HEADER_BYTES <= 512, "the header lies in SQLite's smallest page");
 static_assert(VN_UUID_BYTES + 16 <= VN_MAX_VERSION_ID,
@@ -33,7 +33,7 @@ static_assert(VN_MANIFEST_IOV <= VN_SPOOL_IOV_MAX,
 static_assert(VN_TOPS_MAX_CHUNKS <= VN_MANIFEST_MAX_EXTRA,
     "every chunk btree_tops may choose can be encoded");
 
-/* The first 8 bytes of a hot rollback journal (FORMAT.md; SQLite's
+/* The first 8 bytes of a hot rollback journal (docs/FORMAT.md; SQLite's
  * aJournalMagic). */
 static const uint8_t journal_magic[8] = {
 	0xd9, 0xd5, 0x05, 0xf9, 0x20, 0xa1, 0x63, 0xd7
@@ -470,7 +470,7 @@ static int incremental(struct build *b, uint64_t old_len)
 			return -1;
 		n_dirty++;
 	}
-	/* FORMAT.md: for every dirty chunk, re-hash one random clean chunk.
+	/* docs/FORMAT.md: for every dirty chunk, re-hash one random clean chunk.
 	 * Clean chunks below `stable` still hold their old words. */
 	for (uint64_t k = 0; k < n_dirty && stable > 1; k++) {
 		uint64_t j = 1 + next_random(t) % (stable - 1);

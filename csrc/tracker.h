@@ -1,6 +1,6 @@
 /*
  * Change tracking for one open main database file: dirty 64 KiB chunks,
- * version ids (FORMAT.md, "Change detection on the writer"), and building a
+ * version ids (docs/FORMAT.md, "Change detection on the writer"), and building a
  * snapshot in the spool after a write transaction.
  *
  * The VFS (vfs.c) calls, in this order for each write transaction:
@@ -23,7 +23,7 @@
 #include "manifest_pb.h"
 #include "spool.h"
 
-/* The xattr holding the version UUID (FORMAT.md). */
+/* The xattr holding the version UUID (docs/FORMAT.md). */
 #define VN_VERSION_XATTR "user.verneuil.version_id"
 
 /* Raw UUIDv4 bytes in the xattr. */
@@ -122,7 +122,7 @@ void vn_tracker_before_write(struct vn_tracker *t, uint64_t offset,
 void vn_tracker_before_truncate(struct vn_tracker *t, uint64_t size);
 void vn_tracker_reset(struct vn_tracker *t);
 
-/* The hot journal check of FORMAT.md: <db>-journal starts with the magic. */
+/* The hot journal check of docs/FORMAT.md: <db>-journal starts with the magic. */
 int vn_journal_is_hot(const char *db_path);
 
 /* Clears the version xattr, so the next snapshot is a full rebuild. */

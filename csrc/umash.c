@@ -1,6 +1,6 @@
 /*
  * UMASH hashes and fingerprints; see umash.h for the interface and
- * FORMAT.md ("Fingerprints: UMASH") for why every output bit matters.
+ * docs/FORMAT.md ("Fingerprints: UMASH") for why every output bit matters.
  *
  * This is an independent implementation of the public UMASH algorithm
  * (backtrace-labs/umash).  A quick tour of what is computed:

@@ -2,7 +2,7 @@
  * UMASH: 64-bit hashes and 128-bit fingerprints (the public algorithm of
  * backtrace-labs/umash, implemented afresh for this project).
  *
- * The bytes of every hash are part of the wire format (FORMAT.md): chunk
+ * The bytes of every hash are part of the wire format (docs/FORMAT.md): chunk
  * names, manifest names and manifest checksums are UMASH values, so this
  * implementation must agree bit for bit with the reference library.  The
  * test vectors in tests/data/umash_verneuil.json pin that down.

@@ -44,7 +44,7 @@ echo "setup: installing the project and its test tools into .venv"
 .venv/bin/python -c "import verneuil_fuse.format, pyfuse3" \
   || { echo "setup: the project did not install (see pip's output above)" >&2; exit 1; }
 
-# mount.fuse3 runs `verneuil` through /bin/sh with a fixed PATH (DESIGN.md).
+# mount.fuse3 runs `verneuil` through /bin/sh with a fixed PATH (docs/DESIGN.md).
 if [ "$(id -u)" = 0 ] || [ -w /usr/local/sbin ]; then
   bash scripts/install-mount-helper.sh "$PWD/.venv"
   ln -sf "$PWD/.venv/bin/verneuilctl" /usr/local/sbin/verneuilctl

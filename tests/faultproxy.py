@@ -35,7 +35,7 @@ Fault kinds (`KINDS`):
   up or the proxy closes.
 
 Every request is recorded, faulted or not.  Only loopback is bound; the
-proxy sets TCP_NODELAY on every socket (see DESIGN.md).
+proxy sets TCP_NODELAY on every socket (see docs/DESIGN.md).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Test helper: publish a snapshot of a database file straight into a Store.
 
-It writes the same blobs a writer + copier would (FORMAT.md): every chunk but
+It writes the same blobs a writer + copier would (docs/FORMAT.md): every chunk but
 chunk 0 and the zero chunk uploaded (zstd or raw), the manifest (zstd or raw)
 with chunk 0 bundled, under the manifest name of ``(hostname, path)``.
 """

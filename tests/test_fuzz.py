@@ -77,7 +77,7 @@ def _fetch_base(fp):
 
 
 def check_accepted(m: fmt.Manifest) -> None:
-    """What decode_and_validate accepts obeys every rule of FORMAT.md."""
+    """What decode_and_validate accepts obeys every rule of docs/FORMAT.md."""
     assert fmt.contents_fprint_of(m.chunks) == m.contents_fprint
     assert fmt.chunk_count(m.len) == len(m.chunks)
     for i, data in m.bundled.items():

@@ -265,7 +265,7 @@ def test_btree_prefetch_follows_a_scan_not_a_point_query(tmp_path, local_store):
 
 
 def test_base_chunk_manifest(local_store):
-    """A chunk list stored XOR-ed with a base chunk (FORMAT.md) is read
+    """A chunk list stored XOR-ed with a base chunk (docs/FORMAT.md) is read
     through the fetcher (verified, single-flight) while decoding."""
     import dataclasses
     from verneuil_fuse.format import compress_manifest, encode_manifest, fingerprint, snapshot_of

@@ -8,7 +8,7 @@ Directory listings are
 sorted by name, so readdir is stable.
 
 Names that do not read back as a whole path:
-- a *mangled* manifest name (FORMAT.md: names of 230 encoded bytes or more
+- a *mangled* manifest name (docs/FORMAT.md: names of 230 encoded bytes or more
   keep their first and last 104 encoded bytes around a fingerprint) is shown
   under ``/<hostname>/`` as ``<leading dirs>/…<12 hex>…/<trailing dirs and
   file>``: the whole path components that survive at each end (a cut may

@@ -34,7 +34,7 @@ from verneuil_fuse.replica import PrefetchConfig
 
 log = logging.getLogger("verneuil_fuse.mount")
 
-# Options libfuse accepts (DESIGN.md); anything else makes fuse_session_new fail.
+# Options libfuse accepts (docs/DESIGN.md); anything else makes fuse_session_new fail.
 LIBFUSE_FLAGS = frozenset(
     {
         "ro", "allow_other", "allow_root", "default_permissions", "auto_unmount", "debug",

@@ -15,7 +15,7 @@ database directory it
    is neither `ready` nor `consuming`.  The check runs under the lock, so a
    manifest upload never overtakes a newer one from this host.
 
-Uploads are zstd frames (FORMAT.md); requests are paced by a token bucket
+Uploads are zstd frames (docs/FORMAT.md); requests are paced by a token bucket
 and transient errors retried with jittered exponential backoff.  Chunks
 uploaded recently are remembered (bounded LRU) and not sent again.  Chunks of
 live manifests are touched about once a day.  Any number of copiers, in any

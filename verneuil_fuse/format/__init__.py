@@ -1,4 +1,4 @@
-"""The wire format (FORMAT.md): UMASH, blob names, manifests and chunks.
+"""The wire format (docs/FORMAT.md): UMASH, blob names, manifests and chunks.
 
 Everything here is pure computation on bytes (no I/O but /etc/hostname):
 the store, copier, reader and CLI all go through this package to agree with

@@ -1,7 +1,7 @@
 """Manifests: encode, decode and validate; chunk blobs: compress and verify.
 
 `decode_and_validate` is the gate every manifest from outside passes through:
-it applies each rule of FORMAT.md ("Manifest", "Compression") and raises one
+it applies each rule of docs/FORMAT.md ("Validation rules") and raises one
 exception type, `ManifestError`, whose `rule` names the rule that failed.
 """
 from __future__ import annotations
@@ -56,14 +56,14 @@ ZSTD_FRAME_SLACK = 1 << 10
 # dictionary id), rounded up to 64 KiB + 1 KiB.  A raw chunk is at most
 # 64 KiB anyway.
 MAX_CHUNK_BLOB_BYTES = CHUNK_SIZE + 1024
-MANIFEST_ZSTD_LEVEL = 1   # FORMAT.md: manifests change on every commit; be cheap.
-CHUNK_ZSTD_LEVEL = 3      # FORMAT.md: zstd's default level for chunks.
+MANIFEST_ZSTD_LEVEL = 1   # docs/FORMAT.md: manifests change on every commit; be cheap.
+CHUNK_ZSTD_LEVEL = 3      # docs/FORMAT.md: zstd's default level for chunks.
 HEADER_BYTES = 100        # SQLite's file header, covered by header_fprint.
 GENERATED_BY = b"verneuil_fuse-v0.1.0"
 
 
 class ManifestError(ValueError):
-    """A manifest that breaks a rule of FORMAT.md; `rule` names the rule."""
+    """A manifest that breaks a rule of docs/FORMAT.md; `rule` names the rule."""
 
     def __init__(self, rule: str, detail: str):
         super().__init__("invalid manifest (%s): %s" % (rule, detail))
@@ -270,7 +270,7 @@ def _set_fp(msg, fp: Fprint) -> None:
 
 
 def xor_words(words: list[int], base: bytes) -> list[int]:
-    """`words` XOR-ed with the u64 words of `base`, zero-padded (FORMAT.md)."""
+    """`words` XOR-ed with the u64 words of `base`, zero-padded (docs/FORMAT.md)."""
     n = min(len(base) // 8, len(words))
     base_words = struct.unpack("<%dQ" % n, base[:8 * n])
     return [w ^ base_words[i] for i, w in enumerate(words[:n])] + words[n:]
@@ -386,7 +386,7 @@ def _decompress_manifest(blob: bytes, limit: int, max_db_size: int) -> bytes:
         raise ManifestError("size-limit", "zstd frame decompresses past %d bytes, %s"
                             % (limit, _size_limit_detail(max_db_size))) from None
     except zstandard.ZstdError:
-        return blob  # FORMAT.md: a manifest that fails to decompress is tried raw
+        return blob  # docs/FORMAT.md: a manifest that fails to decompress is tried raw
 
 
 def _parse(raw: bytes):
@@ -420,7 +420,7 @@ def decode_chunk(blob: bytes, expected: Fprint) -> bytes:
 def decode_and_validate(blob: bytes,
                         fetch_chunk: Optional[Callable[[Fprint], bytes]] = None, *,
                         max_db_size: int = DEFAULT_MAX_DB_SIZE) -> Manifest:
-    """Decode a manifest blob (zstd or raw) and apply every rule of FORMAT.md.
+    """Decode a manifest blob (zstd or raw) and apply every rule of docs/FORMAT.md.
 
     `fetch_chunk(fprint)` returns a chunk's (verified) bytes; it is needed only
     for manifests whose chunk list is XOR-ed with a base chunk.

@@ -1,6 +1,6 @@
 """Blob names: chunk names from fingerprints, manifest names from host + path.
 
-The rules are FORMAT.md's ("Chunks", "Manifest blob name"); they decide which
+The rules are docs/FORMAT.md's ("Chunks", "Manifest blob name"); they decide which
 key a snapshot lands on, so they must match Verneuil byte for byte.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .umash import (CHUNK_KEY, HOSTNAME_KEY, MANGLING_KEY, PATH_KEY, Fprint,
 CHUNK_SIZE = 65536  # Fixed by the format: SQLite's largest page size.
 
 # Fingerprint of 65 536 zero bytes under the chunk key: never stored, always
-# synthesised (FORMAT.md golden value).
+# synthesised (docs/FORMAT.md, "Chunks").
 ZERO_CHUNK_FPRINT = Fprint(8155395758008617606, 2728302605148947890)
 ZERO_CHUNK_NAME = ZERO_CHUNK_FPRINT.name
 

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from ._umash import ffi, lib
 
-# The parameter keys of FORMAT.md, as given (the binding zero-pads to 32 bytes).
+# The parameter keys of docs/FORMAT.md, as given (the binding zero-pads to 32 bytes).
 CHUNK_KEY = b"verneuil db chunk params"
 DIRECTORY_KEY = b"verneuil db directory params"
 HEADER_KEY = b"verneuil sqlite header params"
@@ -40,7 +40,7 @@ class Fprint(NamedTuple):
 
     @property
     def name(self) -> str:
-        """The chunk name of FORMAT.md: `%016x%2F%016x`."""
+        """The chunk name of docs/FORMAT.md: `%016x%2F%016x`."""
         return "%016x%%2F%016x" % (self.major, self.minor)
 
     def hex(self) -> str:

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 # Longest key accepted, in UTF-8 bytes.  255 is NAME_MAX on Linux file
 # systems, so every key can also be a file name in a directory store; manifest
-# names are at most 104 + 32 + 104 = 240 bytes (FORMAT.md) and chunk names 35.
+# names are at most 104 + 32 + 104 = 240 bytes (docs/FORMAT.md) and chunk names 35.
 MAX_KEY_BYTES = 255
 
 # Prefix of the names the local store reserves for its temporary files; keys
