@@ -13,6 +13,7 @@ import time
 from typing import NamedTuple
 
 from verneuil_fuse.format import (
+    CHUNK_SIZE,
     Fprint,
     Manifest,
     compress_chunk,
@@ -76,6 +77,33 @@ def replicate(store, db_path: str, spool: str, *, timeout: float = 3600) -> str:
     finally:
         copier.close()
     return "/%s%s" % (local_hostname(), path)
+
+
+def publish_large_base(store, path: str, hostname: str = "h"):
+    """A replica of 4,200 chunks (275 MB, zero chunks but the first and last
+    two) whose chunk list is XOR-ed with a base chunk as long as the list
+    (67,200 bytes, as Verneuil's writer makes them): larger than a chunk
+    object may be. Returns (manifest, {chunk index: bytes}, size)."""
+    import dataclasses
+    from verneuil_fuse.format import ZERO_CHUNK_FPRINT, chunk_fingerprint, contents_fprint_of, fingerprint
+
+    n = 4200
+    first = os.urandom(CHUNK_SIZE)
+    small, _ = snapshot_of(first)  # the header's fingerprint and metadata
+    real = {0: first, n - 2: os.urandom(CHUNK_SIZE), n - 1: os.urandom(1000)}
+    fps = [ZERO_CHUNK_FPRINT] * n
+    for i, raw in real.items():
+        fps[i] = chunk_fingerprint(raw)
+        store.chunks.put(fps[i].name, compress_chunk(raw))
+    size = (n - 1) * CHUNK_SIZE + 1000
+    manifest = dataclasses.replace(small, chunks=fps, len=size, bundled={0: real[0]},
+                                   contents_fprint=contents_fprint_of(fps))
+    base = os.urandom(16 * n)  # raw: 67,200 bytes, more than a chunk object's 66,560
+    base_fp = fingerprint(base)
+    store.chunks.put(base_fp.name, base)
+    stored = dataclasses.replace(manifest, base_chunks_fprint=base_fp)
+    store.manifests.put(manifest_name(path, hostname), compress_manifest(encode_manifest(stored, base=base)))
+    return manifest, real, size
 
 
 def publish_file(store, db_path: str, **kw) -> Published:

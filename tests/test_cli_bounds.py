@@ -185,3 +185,33 @@ def test_manifest_file_is_read_bounded(hostile, tmp_path):
     proc, rss = run_measured(["manifest", "--manifest-file", path], tmp_path)
     assert_one_line_error(proc, "manifest file", "--max-db-size")
     assert rss < MAX_RSS, rss
+
+
+def test_a_base_chunk_as_long_as_a_large_list(tmp_path):
+    """Verneuil's base chunks are as long as the chunk list (over 64 KiB for
+    a database over 256 MiB): `manifest` decodes such a manifest and
+    `restore` writes the right bytes."""
+    from replicas import publish_large_base
+    url = "file://%s/store" % tmp_path
+    store = open_store(url)
+    manifest, real, size = publish_large_base(store, "/large-based.db", hostname=HOST)
+    store.close()
+    proc = subprocess.run([sys.executable, "-m", "verneuil_fuse.cli", "manifest", "--json", "--store", url,
+                           "--hostname", HOST, "-s", "/large-based.db"],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    import json
+    assert len(json.loads(proc.stdout)["chunks"]) == len(manifest.chunks)
+    out = tmp_path / "restored.db"
+    proc = subprocess.run([sys.executable, "-m", "verneuil_fuse.cli", "restore", "-q", "--store", url,
+                           "--hostname", HOST, "-s", "/large-based.db", "-o", str(out)],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    n = len(manifest.chunks)
+    with open(out, "rb") as f:
+        assert os.fstat(f.fileno()).st_size == size
+        assert f.read(fmt.CHUNK_SIZE) == real[0]
+        f.seek(2000 * fmt.CHUNK_SIZE)
+        assert f.read(fmt.CHUNK_SIZE) == bytes(fmt.CHUNK_SIZE)
+        f.seek((n - 2) * fmt.CHUNK_SIZE)
+        assert f.read() == real[n - 2] + real[n - 1]

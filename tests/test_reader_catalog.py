@@ -6,7 +6,7 @@ import random
 
 import trio
 
-from replicas import HOST, make_db, publish
+from replicas import HOST, make_db, publish, publish_large_base
 from verneuil_fuse.catalog import Catalog, Directory, display_path
 from verneuil_fuse.fetcher import Fetcher
 from verneuil_fuse.format import CHUNK_SIZE, manifest_name
@@ -456,4 +456,21 @@ def test_first_open_stores_bundled_chunks_in_the_page_cache(local_store, monkeyp
         assert bytes(await rb.read(0, CHUNK_SIZE)) == b.data
 
     refuse = False
+    run(local_store, go)
+
+
+def test_base_chunk_as_long_as_a_large_list(local_store):
+    """A base chunk over 64 KiB (a list of more than 4,096 chunks, a database
+    over 256 MiB) is read with the bound of a chunk list, not of a chunk."""
+    manifest, real, size = publish_large_base(local_store, "/large-based.db")
+
+    async def go(cat):
+        await cat.refresh(raise_errors=True)
+        assert cat.stats()["refresh"]["bad_manifests"] == []
+        r = next(e.current for e in cat.entries.values())
+        assert r.size == size and list(r.manifest.chunks) == list(manifest.chunks)
+        n = len(manifest.chunks)
+        assert await r.read((n - 2) * CHUNK_SIZE, 2 * CHUNK_SIZE) == real[n - 2] + real[n - 1]
+        assert await r.read(1000 * CHUNK_SIZE, 4096) == bytes(4096)
+
     run(local_store, go)

@@ -45,12 +45,14 @@ from verneuil_fuse.format import (
     MAX_CHUNK_BLOB_BYTES,
     ChunkError,
     Fprint,
+    base_chunk_blob_limit,
     chunk_name,
     decode_and_validate,
+    decode_base_chunk,
     decode_chunk,
     manifest_blob_limit,
 )
-from verneuil_fuse.store import NotFound, StoreError, TooLarge
+from verneuil_fuse.store import NotFound, StoreError, TooLarge, TransientError
 
 log = logging.getLogger(__name__)
 
@@ -243,10 +245,27 @@ class Fetcher:
         base chunk comes through ``get`` (verified, cached, single-flight)."""
 
         def fetch_chunk(fp: Fprint) -> bytes:
-            return trio.from_thread.run(self.get, fp)
+            # Only a base chunk comes here: as long as the chunk list it
+            # encodes (docs/FORMAT.md), so larger than a chunk object may be.
+            # Read once per decode, not cached, a few attempts.
+            blob = self._store_retrying(lambda: self.store.chunks.get(
+                chunk_name(fp), max_bytes=base_chunk_blob_limit(self.max_db_size)))
+            return decode_base_chunk(blob, fp, self.max_db_size)
 
         return await self.run_blocking(
             functools.partial(decode_and_validate, blob, fetch_chunk, max_db_size=self.max_db_size))
+
+    def _store_retrying(self, call: Callable[[], T]) -> T:
+        """`call()` (a store request, in a worker thread) with the fetcher's
+        retries and backoff for transient failures."""
+        for attempt in range(self.retries + 1):
+            try:
+                return call()
+            except TransientError:
+                if attempt == self.retries:
+                    raise
+                time.sleep(min(self.backoff * (2 ** attempt), 2.0))
+        raise AssertionError("not reached")
 
     # ------------------------------------------------------------------ reads
     def _memory(self, fp: Fprint) -> bytes | None:

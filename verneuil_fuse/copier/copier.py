@@ -229,8 +229,10 @@ class Copier:
     # -- chunks ---------------------------------------------------------------
 
     def _fetch_chunk(self, fp: fmt.Fprint) -> bytes:
-        blob = self._request(lambda: self.store.chunks.get(fp.name), "get chunk")
-        return fmt.decode_chunk(blob, fp)
+        """A base chunk, for a staged manifest that names one."""
+        blob = self._request(lambda: self.store.chunks.get(fp.name, max_bytes=fmt.base_chunk_blob_limit()),
+                             "get base chunk")
+        return fmt.decode_base_chunk(blob, fp)
 
     def _upload_chunk_file(self, db: sp.DbDir, dirpath: str, name: str) -> bool:
         """Upload one chunk file and unlink it; False if it was a bad copy of

@@ -138,11 +138,12 @@ def find_manifest(store, name: str, source: Optional[str] = None
 
     def fetch(fp: fmt.Fprint) -> bytes:
         try:
-            data = _retry(lambda: store.chunks.get(fp.name), "get base chunk")
+            data = _retry(lambda: store.chunks.get(fp.name, max_bytes=fmt.base_chunk_blob_limit()),
+                          "get base chunk")
         except NotFound:
             lost.append(fp)
             raise
-        return fmt.decode_chunk(data, fp)
+        return fmt.decode_base_chunk(data, fp)
 
     try:
         return fmt.decode_and_validate(blob, fetch_chunk=fetch), None

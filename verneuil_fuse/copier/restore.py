@@ -70,9 +70,29 @@ def load_manifest_blob(store, name: str, version_id: Optional[str] = None, *,
                               RAISE_LIMIT_HINT)) from None
 
 
+def base_chunk_fetcher(store, max_db_size: int = fmt.DEFAULT_MAX_DB_SIZE) -> Callable[[fmt.Fprint], bytes]:
+    """fetch(fprint) -> a base chunk's verified bytes: as long as the chunk
+    list it encodes, up to `fmt.base_chunk_limit(max_db_size)`."""
+    def fetch(fp: fmt.Fprint) -> bytes:
+        limit = fmt.base_chunk_blob_limit(max_db_size)
+        try:
+            blob = store.chunks.get(fp.name, max_bytes=limit)
+        except NotFound:
+            raise RestoreError("base chunk %s is missing from the store" % fp.name) from None
+        except TooLarge:
+            raise RestoreError("base chunk %s is larger than the %d bytes a base chunk may hold for "
+                               "databases of up to %s; %s" % (fp.name, limit, fmt.format_size(max_db_size),
+                                                              RAISE_LIMIT_HINT)) from None
+        try:
+            return fmt.decode_base_chunk(blob, fp, max_db_size)
+        except fmt.ChunkError as e:
+            raise RestoreError("corrupt base chunk in the store: %s" % e) from None
+    return fetch
+
+
 def decode_manifest(blob: bytes, store=None, what: str = "manifest", *,
                     max_db_size: int = fmt.DEFAULT_MAX_DB_SIZE) -> fmt.Manifest:
-    fetch = chunk_fetcher(store) if store is not None else None
+    fetch = base_chunk_fetcher(store, max_db_size) if store is not None else None
     try:
         return fmt.decode_and_validate(blob, fetch_chunk=fetch, max_db_size=max_db_size)
     except fmt.ManifestError as e:

@@ -7,9 +7,10 @@ Verneuil on every byte.
 from .manifest import (CHUNK_ZSTD_LEVEL, DEFAULT_MAX_DB_SIZE, GENERATED_BY,
                        MANIFEST_ZSTD_LEVEL, MAX_CHUNK_BLOB_BYTES,
                        MAX_MANIFEST_BYTES, ZSTD_MAGIC, ChunkError, ChunkList,
-                       Manifest, ManifestError, chunk_count, compress_chunk,
+                       Manifest, ManifestError, base_chunk_blob_limit,
+                       base_chunk_limit, chunk_count, compress_chunk,
                        compress_manifest, contents_fprint_of, decode_and_validate,
-                       decode_chunk, encode_manifest, format_size,
+                       decode_base_chunk, decode_chunk, encode_manifest, format_size,
                        header_fprint_of, manifest_blob_limit, snapshot_of,
                        words_of)
 from .names import (CHUNK_SIZE, ZERO_CHUNK_FPRINT, ZERO_CHUNK_NAME, BadName,

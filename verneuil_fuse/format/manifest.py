@@ -402,19 +402,39 @@ def _fp(msg) -> Fprint:
     return Fprint(msg.major, msg.minor)
 
 
-def decode_chunk(blob: bytes, expected: Fprint) -> bytes:
-    """The bytes of a chunk blob (zstd or raw), verified against `expected`'s
-    full 128 bits; ChunkError otherwise (never wrong bytes)."""
+def decode_chunk(blob: bytes, expected: Fprint, max_size: int = CHUNK_SIZE) -> bytes:
+    """The bytes of a chunk blob (zstd or raw) of at most `max_size` bytes,
+    verified against `expected`'s full 128 bits; ChunkError otherwise (never
+    wrong bytes)."""
     if blob.startswith(ZSTD_MAGIC):
         try:
-            data = _decompress_bounded(blob, CHUNK_SIZE)
+            data = _decompress_bounded(blob, max_size)
         except zstandard.ZstdError:
             data = None
         if data is not None and fingerprint(data, CHUNK_KEY) == expected:
             return data
-    if len(blob) <= CHUNK_SIZE and fingerprint(blob, CHUNK_KEY) == expected:
+    if len(blob) <= max_size and fingerprint(blob, CHUNK_KEY) == expected:
         return bytes(blob)
     raise ChunkError("chunk %s: bytes do not match its fingerprint" % expected.name)
+
+
+def base_chunk_limit(max_db_size: int = DEFAULT_MAX_DB_SIZE) -> int:
+    """The largest base chunk accepted for databases of up to `max_db_size`
+    bytes: a chunk list of that many chunks, 16 bytes each (Verneuil's writer
+    makes its base chunks as long as the list they encode; docs/FORMAT.md)."""
+    return 16 * max(1, -(-max_db_size // CHUNK_SIZE))
+
+
+def base_chunk_blob_limit(max_db_size: int = DEFAULT_MAX_DB_SIZE) -> int:
+    """The largest base chunk object read from a store: `base_chunk_limit`
+    bytes, raw or as a zstd frame of them (zstd's worst-case growth)."""
+    raw = base_chunk_limit(max_db_size)
+    return raw + (raw >> 8) + ZSTD_FRAME_SLACK
+
+
+def decode_base_chunk(blob: bytes, expected: Fprint, max_db_size: int = DEFAULT_MAX_DB_SIZE) -> bytes:
+    """`decode_chunk` for a base chunk, bounded by `base_chunk_limit`."""
+    return decode_chunk(blob, expected, base_chunk_limit(max_db_size))
 
 
 def decode_and_validate(blob: bytes,
