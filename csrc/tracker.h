@@ -20,6 +20,7 @@
 #include <sqlite3.h>
 
 #include "btree_tops.h"
+#include "log.h"
 #include "manifest_pb.h"
 #include "spool.h"
 
@@ -138,20 +139,5 @@ enum vn_snapshot_result {
 /* Brings staging up to date with `db` (SHARED lock held by the caller). */
 enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
     sqlite3_file *db, const struct vn_snapshot_config *config);
-
-/* Logging hook, defined by vfs.c (sqlite3_log). */
-void vn_log(int code, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
-
-/* A database that is not replicated: logged, and on stderr too unless the
- * configuration says otherwise (vfs.c). Callers rate-limit it. */
-void vn_warn(const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 1, 2)))
-#endif
-    ;
 
 #endif /* VN_TRACKER_H */

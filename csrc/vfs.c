@@ -36,6 +36,7 @@ SQLITE_EXTENSION_INIT1
 #include <string.h>
 #include <strings.h>
 
+#include "log.h"
 #include "tracker.h"
 #include "verneuil_vfs.h"
 
@@ -53,9 +54,6 @@ SQLITE_EXTENSION_INIT1
  * indexes, which is what large databases need (the level below is hundreds
  * of chunks); small databases' trees sit in chunk 0 and bundle nothing. */
 #define VN_BUNDLE_CHUNKS_DEFAULT 4
-
-/* Longest log message; longer ones are cut (paths are at most PATH_MAX). */
-#define VN_LOG_MAX (PATH_MAX + 512)
 
 /* Largest VERNEUIL_CONFIG file we read: configs are a few hundred bytes. */
 #define VN_CONFIG_MAX (1 << 20)
@@ -77,8 +75,6 @@ struct vn_config {
 	char *spool_dir;       /* NULL: replication disabled */
 	double gc_weight;
 	size_t bundle_chunks;
-	int log_stderr;
-	int warn_stderr;       /* "not replicated" warnings also on stderr */
 	struct vn_keys keys;   /* immutable once initialised */
 };
 
@@ -86,7 +82,6 @@ static struct vn_config vn_config = {
 	.mutex = PTHREAD_MUTEX_INITIALIZER,
 	.gc_weight = VN_GC_WEIGHT_DEFAULT,
 	.bundle_chunks = VN_BUNDLE_CHUNKS_DEFAULT,
-	.warn_stderr = 1,
 };
 
 /* State of one wrapped main database file. */
@@ -108,50 +103,6 @@ struct vn_file {
 
 #define REAL(f) (((struct vn_file *)(f))->real)
 #define DB(f) (((struct vn_file *)(f))->db)
-
-/* ---- logging ------------------------------------------------------------ */
-
-/*
- * One message: to sqlite3_log, and to stderr when `force_stderr` (a warning
- * that replication stops, unless "warn_stderr" is false) or "log_stderr".
- */
-static void vn_emit(int code, int is_warning, const char *fmt, va_list ap)
-{
-	char msg[VN_LOG_MAX];
-	int to_stderr;
-
-	vsnprintf(msg, sizeof(msg), fmt, ap);
-	sqlite3_log(code, "%s", msg);
-	pthread_mutex_lock(&vn_config.mutex);
-	to_stderr = vn_config.log_stderr || (is_warning && vn_config.warn_stderr);
-	pthread_mutex_unlock(&vn_config.mutex);
-	if (to_stderr)
-		fprintf(stderr, "%s\n", msg);
-}
-
-void vn_log(int code, const char *fmt, ...)
-{
-	va_list ap;
-
-	va_start(ap, fmt);
-	vn_emit(code, 0, fmt, ap);
-	va_end(ap);
-}
-
-/*
- * A database that is not replicated: logged, and printed on stderr unless
- * "warn_stderr" is false, since neither Python nor the sqlite3 shell listens
- * to sqlite3_log and an operator must not lose replication without a word.
- * Callers say it once per database and reason.
- */
-void vn_warn(const char *fmt, ...)
-{
-	va_list ap;
-
-	va_start(ap, fmt);
-	vn_emit(SQLITE_WARNING, 1, fmt, ap);
-	va_end(ap);
-}
 
 /* ---- io methods --------------------------------------------------------- */
 
@@ -662,6 +613,8 @@ int verneuil_vfs_register(const char *spool_dir, int make_default)
 		if (copy == NULL)
 			return SQLITE_NOMEM;
 	}
+	/* sqlite3_log through this unit's API table in a loadable extension. */
+	vn_log_set_sink(sqlite3_log);
 	pthread_mutex_lock(&cfg->mutex);
 	rc = initialise(cfg);
 	if (rc == SQLITE_OK) {
@@ -700,16 +653,12 @@ int verneuil_vfs_set_bundle_chunks(int n)
 
 void verneuil_vfs_set_log_stderr(int on)
 {
-	pthread_mutex_lock(&vn_config.mutex);
-	vn_config.log_stderr = on;
-	pthread_mutex_unlock(&vn_config.mutex);
+	vn_log_set_stderr(on);
 }
 
 void verneuil_vfs_set_warn_stderr(int on)
 {
-	pthread_mutex_lock(&vn_config.mutex);
-	vn_config.warn_stderr = on;
-	pthread_mutex_unlock(&vn_config.mutex);
+	vn_log_set_warn_stderr(on);
 }
 
 int verneuil_vfs_db_spool_dir(const char *spool_dir, const char *db_path,
