@@ -10,7 +10,7 @@ from setuptools import Extension, setup
 # The verneuil VFS as a SQLite loadable extension (`.load` in the sqlite3
 # shell): no -lsqlite3, every SQLite call goes through sqlite3_api; only the
 # entry points are exported.
-_VFS_SOURCES = ["csrc/vfs.c", "csrc/log.c", "csrc/tracker.c", "csrc/spool.c",
+_VFS_SOURCES = ["csrc/vfs.c", "csrc/config.c", "csrc/log.c", "csrc/tracker.c", "csrc/spool.c",
                 "csrc/manifest_pb.c", "csrc/btree_tops.c", "csrc/umash.c"]
 _LOADABLE_VFS = Extension(
     "writer_vfs.libverneuil_vfs",

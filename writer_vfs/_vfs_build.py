@@ -13,7 +13,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CSRC = os.path.join(_ROOT, "csrc")
 
 # The C files of the VFS, shared with the loadable extension in setup.py.
-SOURCES = ["vfs.c", "log.c", "tracker.c", "spool.c", "manifest_pb.c", "btree_tops.c", "umash.c"]
+SOURCES = ["vfs.c", "config.c", "log.c", "tracker.c", "spool.c", "manifest_pb.c", "btree_tops.c", "umash.c"]
 CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-Wextra"]
 
 ffibuilder = FFI()
