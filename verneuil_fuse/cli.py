@@ -35,21 +35,9 @@ import time
 from typing import Any, Optional
 
 from . import __version__
+from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UserError
 
 log = logging.getLogger("verneuilctl")
-
-EXIT_OK = 0
-EXIT_ERROR = 1       # the operation failed (store, data, timeout)
-EXIT_USAGE = 2       # bad arguments (argparse uses 2 as well)
-EXIT_INTERRUPTED = 130
-
-
-class UserError(Exception):
-    """An error worth one line to the user, and an exit code."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_ERROR):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 # -- shared helpers -------------------------------------------------------------

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from verneuil_fuse import __version__
+from verneuil_fuse.errors import EXIT_INTERRUPTED, EXIT_MOUNT, EXIT_SOURCE, EXIT_USAGE, UserError
 from verneuil_fuse.fetcher import DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_CONCURRENCY, DEFAULT_DEADLINE
 from verneuil_fuse.format import CHUNK_SIZE, DEFAULT_MAX_DB_SIZE
 from verneuil_fuse.replica import PrefetchConfig
@@ -156,19 +157,6 @@ ROOT_LOG_DIR = "/var/log/verneuil"
 # Another directory for those default log files (a service's own log
 # directory; the tests' temporary one).
 LOG_DIR_ENV = "VERNEUIL_LOG_DIR"
-
-EXIT_USAGE = 2
-EXIT_SOURCE = 3
-EXIT_MOUNT = 4
-EXIT_INTERRUPTED = 130
-
-
-class UserError(Exception):
-    """A problem the user can fix; printed as one line, no traceback."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(" ".join(str(message).splitlines()))  # always one line
-        self.code = code
 
 
 @dataclass
@@ -772,8 +760,8 @@ def run_background(opts: Options, wait: float | None = None) -> int:
 
             _run(opts, ready)
         except UserError as e:
-            _tell(w, "E%d %s" % (e.code, e))
-            code = e.code
+            _tell(w, "E%d %s" % (e.exit_code, e))
+            code = e.exit_code
         except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
             log.exception("verneuil failed")
             _tell(w, "E1 %s" % _one_line(e))
@@ -838,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_background(opts)
     except UserError as e:
         print("verneuil: error: %s" % e, file=sys.stderr)
-        return e.code
+        return e.exit_code
 
 
 if __name__ == "__main__":
