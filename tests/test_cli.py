@@ -18,7 +18,7 @@ from verneuil_fuse import cli
 from verneuil_fuse import format as fmt
 
 import spoolutil
-from test_copier_support import Writer, vfs_available
+from copier_support import Writer, vfs_available
 
 VECTORS = pathlib.Path(__file__).parent / "data" / "umash_verneuil.json"
 CTL = [sys.executable, "-m", "verneuil_fuse.cli"]

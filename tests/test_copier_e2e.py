@@ -1,7 +1,7 @@
 """Writer -> spool -> copier -> store -> restore, for real (bounded in time).
 
 Writers: the Python reference writer always, the C VFS when built (see
-test_copier_support.WRITER_KINDS).  Stores: a directory and moto's S3 server.
+copier_support.WRITER_KINDS).  Stores: a directory and moto's S3 server.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from verneuil_fuse.copier import (Copier, fetch_manifest, restore_bytes,
 from verneuil_fuse.copier import spool as sp
 from verneuil_fuse.store import open_store
 
-from test_copier_support import (WRITER_KINDS, Writer, counter_of, store_counter,
+from copier_support import (WRITER_KINDS, Writer, counter_of, store_counter,
                                  wait_for)
 
 VERNEUILCTL = [sys.executable, "-m", "verneuil_fuse.cli"]

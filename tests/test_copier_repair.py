@@ -21,7 +21,7 @@ from verneuil_fuse.copier import spool as sp
 
 from pyspoolwriter import SpoolWriter
 from replicas import make_db, publish_file, replicate
-from test_copier_support import vfs_available
+from copier_support import vfs_available
 
 needs_vfs = pytest.mark.skipif(not vfs_available(), reason="writer_vfs is not built")
 

@@ -30,7 +30,7 @@ import pytest
 
 from faultproxy import KINDS, FaultProxy
 from replicas import HOST, Mount, fuse_unavailable, make_db, publish, wait_for
-from test_copier_support import Writer, counter_of, vfs_available
+from copier_support import Writer, counter_of, vfs_available
 from verneuil_fuse import format as fmt
 from verneuil_fuse.fetcher import FAILED_CHUNK_TTL, HOLD_SECONDS
 from verneuil_fuse.copier import Backoff, Copier, start_background
