@@ -83,7 +83,21 @@ def any_store(request):
     return request.getfixturevalue(f"{request.param}_store")
 
 
+# The order the tests run in, cheapest tier first (scripts/test.sh): a test
+# module's tier is the first prefix its name starts with; within a tier,
+# pytest's own order. A module named after none runs with the last tier.
+TIERS = ("test_format", "test_metrics", "test_store", "test_writer", "test_copier_unit", "test_copier", "test_history",
+         "test_reader", "test_mount", "test_cli", "test_security", "test_fuzz", "test_end_to_end",
+         "test_faults", "test_torture", "test_spark", "test_sqlite_testsuite", "test_bench")
+
+
+def _tier(item) -> int:
+    name = os.path.basename(str(item.fspath))
+    return next((k for k, prefix in enumerate(TIERS) if name.startswith(prefix)), len(TIERS))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_tier)  # stable: pytest's order within a tier
     for item in items:
         names = getattr(item, "fixturenames", ())
         callspec = getattr(item, "callspec", None)
