@@ -747,6 +747,11 @@ class MemoryLRU:
         self._items: OrderedDict[Fprint, bytes] = OrderedDict()
         self._lock = threading.Lock()
 
+    @property
+    def size(self) -> int:
+        """Bytes held now."""
+        return self._size
+
     def get(self, fp: Fprint) -> bytes | None:
         with self._lock:
             data = self._items.get(fp)

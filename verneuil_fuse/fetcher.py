@@ -798,7 +798,7 @@ class Fetcher:
         out: dict[str, Any] = dict(self.stats)
         out["prefetch_waste"] = len(self._prefetched_unused)
         out["inflight"] = len(self._inflight)
-        out["mem_cache_bytes"] = self.mem._size
+        out["mem_cache_bytes"] = self.mem.size
         out["store"] = {
             "reachable": self.reachable,
             "unreachable_since": None if self.reachable else self.unreachable_since,
