@@ -414,8 +414,8 @@ def test_past_state_resolution_reads_log_n_manifests_and_reports_store_failures(
     FetchError (EREMOTEIO on the mount), not 'no such version'."""
     import trio
 
-    from verneuil_fuse.fetcher import FetchError, Fetcher
-    from verneuil_fuse.past import PastStates
+    from verneuil_fuse.reader.fetcher import FetchError, Fetcher
+    from verneuil_fuse.reader.past import PastStates
     from verneuil_fuse.store import Store, TransientError
 
     store = open_store("file://%s/store" % tmp_path)

@@ -6,7 +6,7 @@ import sqlite3
 import pytest
 
 from replicas import make_db
-from verneuil_fuse import btree
+from verneuil_fuse.reader import btree
 
 
 def _dbstat(path):

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from verneuil_fuse import cache as cache_mod
-from verneuil_fuse.cache import RECORD, ChunkCache, encode_record
+from verneuil_fuse.reader import cache as cache_mod
+from verneuil_fuse.reader.cache import RECORD, ChunkCache, encode_record
 from verneuil_fuse.format import CHUNK_SIZE, fingerprint
 
 
@@ -290,7 +290,7 @@ def fill(path) -> str:
 def test_the_disk_bounds_the_cache_and_keeps_its_reserve_free(small_fs, caplog, monkeypatch):
     monkeypatch.setattr(cache_mod, "WRITE_PAUSE_S", 0.3)
     reserve = int(4 * (1 << 20) * cache_mod.FREE_RESERVE_FRACTION)
-    with caplog.at_level(logging.WARNING, logger="verneuil_fuse.cache"):
+    with caplog.at_level(logging.WARNING, logger="verneuil_fuse.reader.cache"):
         c = ChunkCache(str(small_fs), 1 << 30)
     assert "the disk bounds the cache" in caplog.text
     assert c.segment_bytes == cache_mod.MIN_SEGMENT_BYTES
@@ -309,7 +309,7 @@ def test_the_disk_bounds_the_cache_and_keeps_its_reserve_free(small_fs, caplog, 
     caplog.clear()
     filler = fill(small_fs)
     more = chunks(40, seed=5)
-    with caplog.at_level(logging.WARNING, logger="verneuil_fuse.cache"):
+    with caplog.at_level(logging.WARNING, logger="verneuil_fuse.reader.cache"):
         for fp, data in more:
             c.put(fp, data)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -380,7 +380,7 @@ def test_a_cache_on_a_disk_already_past_its_reserve_gives_space_back(small_fs, c
     fill(small_fs)
     empty = small_fs / "other"
     e = ChunkCache(str(empty), 1 << 30)
-    with caplog.at_level(logging.WARNING, logger="verneuil_fuse.cache"):
+    with caplog.at_level(logging.WARNING, logger="verneuil_fuse.reader.cache"):
         e.put(*chunks(1, seed=2)[0])
     assert "no room left on its file system" in caplog.text
     assert e.stats["puts_skipped"] == 1 and files(empty, ".seg") == []
@@ -396,7 +396,7 @@ def test_a_removed_cache_directory_is_made_again(tmp_path, monkeypatch, caplog):
     shutil.rmtree(segdir(tmp_path))  # a cleaner of /var/cache, say
     # The open segment still serves what it holds until a miss rescans;
     # then the next chunk goes to a new segment in a new directory.
-    with caplog.at_level(logging.WARNING, logger="verneuil_fuse.cache"):
+    with caplog.at_level(logging.WARNING, logger="verneuil_fuse.reader.cache"):
         assert c.get(chunks(1, seed=4)[0][0]) is None
         assert c.get(first[0]) is None
     assert [r.getMessage() for r in caplog.records] == [

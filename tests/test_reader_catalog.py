@@ -7,10 +7,10 @@ import random
 import trio
 
 from replicas import HOST, make_db, publish, publish_large_base
-from verneuil_fuse.catalog import Catalog, Directory, display_path
-from verneuil_fuse.fetcher import Fetcher
+from verneuil_fuse.reader.catalog import Catalog, Directory, display_path
+from verneuil_fuse.reader.fetcher import Fetcher
 from verneuil_fuse.format import CHUNK_SIZE, manifest_name
-from verneuil_fuse.replica import Cursor, PrefetchConfig, Replica
+from verneuil_fuse.reader.replica import Cursor, PrefetchConfig, Replica
 
 
 def test_display_paths():
@@ -162,7 +162,7 @@ def _sequential_read_hints(tmp_path, store, config: PrefetchConfig):
     """Read a 40-chunk replica in order, 2 chunks per request, with its
     first 30 chunks in the disk cache: (hints given to the fetcher as
     (last chunk read, chunk, fetch, advise), the fetcher's stats)."""
-    from verneuil_fuse.cache import ChunkCache
+    from verneuil_fuse.reader.cache import ChunkCache
 
     pub = publish(store, os.urandom(40 * CHUNK_SIZE), "/ra.db")
     index = {fp: i for i, fp in enumerate(pub.manifest.chunks)}
@@ -296,8 +296,8 @@ def test_hydrate_fills_the_disk_cache(local_store, tmp_path):
     cache, says how far it went in the stats, ends `incomplete` when a chunk
     cannot be fetched and starts again HYDRATE_RETRY_SECONDS later; a new
     version is hydrated in its turn."""
-    from verneuil_fuse.cache import ChunkCache
-    from verneuil_fuse.catalog import HYDRATE_RETRY_SECONDS
+    from verneuil_fuse.reader.cache import ChunkCache
+    from verneuil_fuse.reader.catalog import HYDRATE_RETRY_SECONDS
 
     pub = publish(local_store, os.urandom(6 * CHUNK_SIZE), "/h.db")
     chunks = [fp for i, fp in enumerate(pub.manifest.chunks) if i > 0]  # chunk 0 is in the manifest
@@ -354,8 +354,8 @@ def test_hydrate_fills_the_disk_cache(local_store, tmp_path):
 
 
 def test_hydrate_takes_databases_a_few_at_a_time(local_store, tmp_path):
-    from verneuil_fuse.cache import ChunkCache
-    from verneuil_fuse.catalog import HYDRATE_AT_ONCE
+    from verneuil_fuse.reader.cache import ChunkCache
+    from verneuil_fuse.reader.catalog import HYDRATE_AT_ONCE
 
     for i in range(5):
         publish(local_store, os.urandom(2 * CHUNK_SIZE), "/d%d.db" % i)
@@ -393,7 +393,7 @@ def test_hydrate_takes_databases_a_few_at_a_time(local_store, tmp_path):
 
 
 def test_hydrate_warns_once_when_the_databases_exceed_the_cache(local_store, tmp_path, caplog):
-    from verneuil_fuse.cache import ChunkCache
+    from verneuil_fuse.reader.cache import ChunkCache
 
     for name in ("/a.db", "/b.db"):
         publish(local_store, os.urandom(3 * CHUNK_SIZE), name)

@@ -9,8 +9,8 @@ import pytest
 import trio
 
 from replicas import publish
-from verneuil_fuse.cache import FORMAT_DIR, ChunkCache
-from verneuil_fuse.fetcher import FetchError, Fetcher
+from verneuil_fuse.reader.cache import FORMAT_DIR, ChunkCache
+from verneuil_fuse.reader.fetcher import FetchError, Fetcher
 from verneuil_fuse.format import compress_chunk, fingerprint
 from verneuil_fuse.store import NotFound, TransientError
 

@@ -4,7 +4,7 @@ differ from the file, even when the file is damaged or changed behind the
 VFS's back.
 
 The expected chunks come from an independent walk of the source file with
-Python (verneuil_fuse.btree and sqlite_schema read by SQLite itself).
+Python (verneuil_fuse.reader.btree and sqlite_schema read by SQLite itself).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import writer_vfs
 from replicas import make_db
-from verneuil_fuse import btree
+from verneuil_fuse.reader import btree
 from verneuil_fuse.format import CHUNK_SIZE
 
 import spoolutil

@@ -37,10 +37,10 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import pyfuse3
 
-from verneuil_fuse.catalog import Catalog, Directory, StatsFile
-from verneuil_fuse.fetcher import FetchError
+from verneuil_fuse.reader.catalog import Catalog, Directory, StatsFile
+from verneuil_fuse.reader.fetcher import FetchError
 from verneuil_fuse.format import CHUNK_SIZE
-from verneuil_fuse.replica import Cursor, Replica
+from verneuil_fuse.reader.replica import Cursor, Replica
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 from verneuil_fuse import __version__
 from verneuil_fuse.errors import EXIT_INTERRUPTED, EXIT_MOUNT, EXIT_SOURCE, EXIT_USAGE, UserError
-from verneuil_fuse.fetcher import DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_CONCURRENCY, DEFAULT_DEADLINE
+from verneuil_fuse.reader.fetcher import DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_CONCURRENCY, DEFAULT_DEADLINE
 from verneuil_fuse.format import CHUNK_SIZE, DEFAULT_MAX_DB_SIZE
-from verneuil_fuse.replica import PrefetchConfig
+from verneuil_fuse.reader.replica import PrefetchConfig
 
 log = logging.getLogger("verneuil_fuse.mount")
 
@@ -617,9 +617,9 @@ async def serve(opts: Options, store, ready) -> None:
     import pyfuse3
     import trio
 
-    from verneuil_fuse.cache import ChunkCache, default_cache_dir
-    from verneuil_fuse.catalog import Catalog
-    from verneuil_fuse.fetcher import Fetcher
+    from verneuil_fuse.reader.cache import ChunkCache, default_cache_dir
+    from verneuil_fuse.reader.catalog import Catalog
+    from verneuil_fuse.reader.fetcher import Fetcher
     from verneuil_fuse.fs import VerneuilFS
     from verneuil_fuse.store import StoreError
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from verneuil_fuse import btree
-from verneuil_fuse.fetcher import FetchError, Fetcher
+from verneuil_fuse.reader import btree
+from verneuil_fuse.reader.fetcher import FetchError, Fetcher
 from verneuil_fuse.format import CHUNK_SIZE, ZERO_CHUNK_FPRINT, Fprint, Manifest
 
 log = logging.getLogger(__name__)

@@ -28,10 +28,10 @@ from typing import Any, Callable
 
 import trio
 
-from verneuil_fuse.fetcher import FetchError, Fetcher
+from verneuil_fuse.reader.fetcher import FetchError, Fetcher
 from verneuil_fuse.format import ManifestError
 from verneuil_fuse.history import format_time, newest_at_async, version_time_ns
-from verneuil_fuse.replica import PrefetchConfig, Replica
+from verneuil_fuse.reader.replica import PrefetchConfig, Replica
 from verneuil_fuse.store import NotFound, StoreError, TooLarge
 
 log = logging.getLogger(__name__)

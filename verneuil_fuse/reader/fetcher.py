@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import trio
 
-from verneuil_fuse.cache import ChunkCache, MemoryLRU
+from verneuil_fuse.reader.cache import ChunkCache, MemoryLRU
 from verneuil_fuse.format import (
     DEFAULT_MAX_DB_SIZE,
     MAX_CHUNK_BLOB_BYTES,

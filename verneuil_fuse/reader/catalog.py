@@ -59,12 +59,12 @@ import trio
 from urllib.parse import unquote
 
 from verneuil_fuse import __version__, metrics
-from verneuil_fuse.fetcher import Fetcher, HydrateProgress
+from verneuil_fuse.reader.fetcher import Fetcher, HydrateProgress
 from verneuil_fuse.format import ManifestError, parse_manifest_name
 from verneuil_fuse.format.names import MANGLE_KEEP
 from verneuil_fuse.history import BadTime, parse_time
-from verneuil_fuse.past import PastStates, split_name
-from verneuil_fuse.replica import PrefetchConfig, Replica
+from verneuil_fuse.reader.past import PastStates, split_name
+from verneuil_fuse.reader.replica import PrefetchConfig, Replica
 from verneuil_fuse.store import StoreError, TooLarge
 
 log = logging.getLogger(__name__)
