@@ -272,34 +272,55 @@ def test_sigterm_ends_an_idle_copier_at_once(spool, tmp_path):
         p.stderr.close()
 
 
+class CopierDaemon:
+    """`verneuilctl copier` in a child process, its log read as it comes:
+    `until(text)` reads lines until one holds `text` (bounded); `stop()`
+    sends SIGTERM, checks the clean exit and returns all it logged; as a
+    context manager it always ends the process."""
+
+    def __init__(self, spool: str, store_url: str, *extra: str):
+        self.proc = subprocess.Popen(VERNEUILCTL + ["copier", "--store", store_url, "--spool", spool,
+                                                    "--poll-interval", "0.05", *extra],
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+
+    def until(self, text: str, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines) and time.monotonic() < deadline:
+            self.lines.append(self.proc.stderr.readline())
+        return "".join(self.lines)
+
+    def stop(self) -> str:
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(15) == 0
+        return "".join(self.lines) + self.proc.stderr.read()
+
+    def __enter__(self) -> "CopierDaemon":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.proc.stderr.close()
+
+
 def test_the_copier_daemon_says_what_it_does(spool, tmp_path):
     """At its default level, `verneuilctl copier` logs its start (spool, store,
     pacing), each database it starts replicating (once), and its stop."""
     w = Writer("py", spool, str(tmp_path / "app.db"))
-    p = subprocess.Popen(VERNEUILCTL + ["copier", "--store", "file://%s/store" % tmp_path,
-                                        "--spool", spool, "--poll-interval", "0.05"],
-                         stderr=subprocess.PIPE, text=True)
     try:
-        lines = []
-        deadline = time.monotonic() + 30
-        while not any("copier started" in line for line in lines) and time.monotonic() < deadline:
-            lines.append(p.stderr.readline())
-        w.bump()
-        w.bump()
-        while not any("replicating" in line for line in lines) and time.monotonic() < deadline:
-            lines.append(p.stderr.readline())
-        store = open_store("file://%s/store" % tmp_path)
-        assert wait_for(lambda: store_counter(store, w.name, str(tmp_path)) == 2, 20)
-        w.bump()
-        assert wait_for(lambda: store_counter(store, w.name, str(tmp_path)) == 3, 20)
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(15) == 0
-        text = "".join(lines) + p.stderr.read()
+        with CopierDaemon(spool, "file://%s/store" % tmp_path) as daemon:
+            daemon.until("copier started")
+            w.bump()
+            w.bump()
+            daemon.until("replicating")
+            store = open_store("file://%s/store" % tmp_path)
+            assert wait_for(lambda: store_counter(store, w.name, str(tmp_path)) == 2, 20)
+            w.bump()
+            assert wait_for(lambda: store_counter(store, w.name, str(tmp_path)) == 3, 20)
+            text = daemon.stop()
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(30)
-        p.stderr.close()
         w.close()
     assert "copier started: spool %s -> " % spool in text and "30 requests/s" in text, text
     assert text.count("replicating ") == 1 and os.path.realpath(str(tmp_path / "app.db")) in text, text
@@ -323,46 +344,36 @@ def test_the_copier_daemon_serves_metrics(spool, tmp_path):
     a scrape parses with prometheus_client's parser and carries the
     copier's counters (the numbers it logs at its stop) and the spool's lag
     per database; a port in use is a one-line error."""
+    import ast
     import re
     source = os.path.realpath(str(tmp_path / "app.db"))
+    url = "file://%s/store" % tmp_path
     w = Writer("py", spool, source)
-    p = subprocess.Popen(VERNEUILCTL + ["copier", "--store", "file://%s/store" % tmp_path, "--spool", spool,
-                                        "--poll-interval", "0.05", "--metrics-port", "0"],
-                         stderr=subprocess.PIPE, text=True)
     try:
-        lines: list[str] = []
-        deadline = time.monotonic() + 30
-        while not any("metrics on" in line for line in lines) and time.monotonic() < deadline:
-            lines.append(p.stderr.readline())
-        url = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", "".join(lines)).group(1)
-        port = int(url.rsplit(":", 1)[1].split("/")[0])
-        for _ in range(3):
-            w.bump()
-        store = open_store("file://%s/store" % tmp_path)
-        assert wait_for(lambda: store_counter(store, w.name, str(tmp_path)) == 3, 20)
-        assert wait_for(lambda: _scrape(url)[("verneuil_spool_pending_bytes", (("db", source),))] == 0, 20)
-        m = _scrape(url)
-        assert m[("verneuil_copier_manifests_uploaded_total", ())] >= 1
-        assert m[("verneuil_copier_passes_total", ())] >= 1
-        assert m[("verneuil_spool_wal", (("db", source),))] == 0
-        assert any(k[0] == "verneuil_copier_info" and ("spool", spool) in k[1] for k in m), m
-        # A second copier on the same port: a clear error, not a traceback.
-        busy = subprocess.run(VERNEUILCTL + ["copier", "--store", "file://%s/store" % tmp_path, "--spool", spool,
-                                             "--metrics-port", str(port)],
-                              capture_output=True, text=True, timeout=60)
-        assert busy.returncode != 0 and "cannot serve metrics on 127.0.0.1:%d" % port in busy.stderr, busy.stderr
-        assert "Traceback" not in busy.stderr
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(15) == 0
-        text = "".join(lines) + p.stderr.read()
+        with CopierDaemon(spool, url, "--metrics-port", "0") as daemon:
+            metrics_url = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)",
+                                    daemon.until("metrics on")).group(1)
+            port = int(metrics_url.rsplit(":", 1)[1].split("/")[0])
+            for _ in range(3):
+                w.bump()
+            store = open_store(url)
+            assert wait_for(lambda: store_counter(store, w.name, str(tmp_path)) == 3, 20)
+            assert wait_for(lambda: _scrape(metrics_url)[("verneuil_spool_pending_bytes", (("db", source),))] == 0,
+                            20)
+            m = _scrape(metrics_url)
+            assert m[("verneuil_copier_manifests_uploaded_total", ())] >= 1
+            assert m[("verneuil_copier_passes_total", ())] >= 1
+            assert m[("verneuil_spool_wal", (("db", source),))] == 0
+            assert any(k[0] == "verneuil_copier_info" and ("spool", spool) in k[1] for k in m), m
+            # A second copier on the same port: a clear error, not a traceback.
+            busy = subprocess.run(VERNEUILCTL + ["copier", "--store", url, "--spool", spool,
+                                                 "--metrics-port", str(port)],
+                                  capture_output=True, text=True, timeout=60)
+            assert busy.returncode != 0 and "cannot serve metrics on 127.0.0.1:%d" % port in busy.stderr
+            assert "Traceback" not in busy.stderr
+            text = daemon.stop()
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(30)
-        p.stderr.close()
         w.close()
-    stopped = re.search(r"copier stopped: (\{.*\})", text).group(1)
-    import ast
-    final = ast.literal_eval(stopped)
+    final = ast.literal_eval(re.search(r"copier stopped: (\{.*\})", text).group(1))
     assert final["manifests_uploaded"] == m[("verneuil_copier_manifests_uploaded_total", ())]
     assert final["chunks_uploaded"] == m[("verneuil_copier_chunks_uploaded_total", ())]

@@ -144,6 +144,13 @@ def _fmt_size(n: Optional[int]) -> str:
     return str(n)
 
 
+def _print_table(rows: list) -> None:
+    """Rows of strings as left-aligned columns two spaces apart."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
 def _print_json(value: Any) -> None:
     json.dump(value, sys.stdout, indent=2, sort_keys=True)
     sys.stdout.write("\n")
@@ -585,9 +592,7 @@ def cmd_versions(args) -> int:
         table.append((r["time"] + ("" if r["time_source"] == "manifest" else " (store)"),
                       _fmt_size(r["size"]), chunks, r["version_id"],
                       "latest" if r["is_latest"] else ""))
-    widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
-    for t in table:
-        print("  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip())
+    _print_table(table)
     for r in rows:
         if "error" in r:
             print("warning: version %s: %s" % (r["version_id"], r["error"]), file=sys.stderr)
@@ -648,9 +653,7 @@ def cmd_ls(args) -> int:
         rows.append((e["hostname"] or "?", e["path"] or e["name"],
                      "ERROR" if "error" in e else _fmt_size(e.get("size")),
                      _fmt_time(e.get("ctime", 0)), str(e.get("versions", "-"))))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    _print_table(rows)
     for e in entries:
         if "error" in e:
             print("warning: %s: %s" % (e["name"], e["error"]), file=sys.stderr)

@@ -28,6 +28,8 @@ import socket
 import subprocess
 import time
 
+from . import apt_install
+
 APT_PACKAGES = ("nginx-light", "libnginx-mod-http-echo")
 ECHO_MODULE = "/usr/lib/nginx/modules/ngx_http_echo_module.so"
 START_TIMEOUT = 10.0
@@ -92,14 +94,8 @@ _FILES = """\
 
 def ensure_nginx(log=print) -> str | None:
     """nginx's version, after installing the Debian packages if missing."""
-    if (shutil.which("nginx") is None or not os.path.exists(ECHO_MODULE)) and os.geteuid() == 0 \
-            and shutil.which("apt-get"):
-        log("installing Debian packages: %s" % " ".join(APT_PACKAGES))
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        subprocess.run(["apt-get", "update", "-qq"], env=env, timeout=300,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        subprocess.run(["apt-get", "install", "-y", "-qq", *APT_PACKAGES], env=env, timeout=600,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if shutil.which("nginx") is None or not os.path.exists(ECHO_MODULE):
+        apt_install(APT_PACKAGES, log)
     if shutil.which("nginx") is None or not os.path.exists(ECHO_MODULE):
         return None
     out = subprocess.run(["nginx", "-v"], capture_output=True, text=True, timeout=30)

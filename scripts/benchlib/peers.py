@@ -19,6 +19,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests"))
 
 from replicas import FuseProcess, wait_for  # noqa: E402
+
+from . import apt_install  # noqa: E402
 from s3server import FAKE_ACCESS_KEY, FAKE_SECRET_KEY, REGION  # noqa: E402
 
 APT_TOOLS = {"s3fs": "s3fs", "rclone": "rclone"}
@@ -28,14 +30,7 @@ MOUNT_TIMEOUT = 30.0
 def ensure_tools(log=print) -> dict:
     """Install the Debian packages s3fs and rclone if missing (apt-get, as
     root; bounded); the versions found."""
-    missing = [pkg for exe, pkg in APT_TOOLS.items() if shutil.which(exe) is None]
-    if missing and os.geteuid() == 0 and shutil.which("apt-get"):
-        log("installing Debian packages: %s" % " ".join(missing))
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        subprocess.run(["apt-get", "update", "-qq"], env=env, timeout=300,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        subprocess.run(["apt-get", "install", "-y", "-qq", *missing], env=env, timeout=600,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    apt_install([pkg for exe, pkg in APT_TOOLS.items() if shutil.which(exe) is None], log)
     versions = {}
     for exe in APT_TOOLS:
         if shutil.which(exe) is None:
