@@ -218,3 +218,71 @@ def test_ctrl_c_during_a_query_says_so_once(tmp_path):
     assert p.returncode == 130, err[-2000:]
     assert err.strip().splitlines()[-1] == "verneuilctl: error: interrupted", err[-2000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_partitions_planned_by_bytes(tmp_path):
+    """Many small databases share a partition, a large one is alone; the
+    size and the least number of partitions are options."""
+    mib = 1 << 20
+    big = tmp_path / "big.db"
+    big.write_bytes(b"")
+    os.truncate(big, 300 * mib)
+    small = []
+    for i in range(50):
+        p = tmp_path / ("s%02d.db" % i)
+        p.write_bytes(b"")
+        os.truncate(p, mib)
+        small.append(str(p))
+    paths = [str(big)] + small
+    groups = vspark.plan_by_bytes(paths, 100 * mib, 2)
+    assert sorted(p for g in groups for p in g) == sorted(paths)
+    assert [str(big)] in groups
+    rest = [g for g in groups if g != [str(big)]]
+    assert len(rest) >= 2 and all(8 <= len(g) <= 13 for g in rest), [len(g) for g in rest]
+    from pyspark.sql.types import LongType, StructField, StructType
+    schema = StructType([StructField("x", LongType())])
+    opts = vspark.options.Options({"query": "SELECT 1", "paths": json.dumps(paths),
+                                   "partition_bytes": "20m", "min_partitions": "3"})
+    parts = vspark.VerneuilReader(opts, schema).partitions()
+    # 401 MiB counted (300 + 50 x 1, and 1 MiB to open each) in 20 MiB
+    # parts, a multiple of 3 of them.
+    assert [str(big)] in [p.paths for p in parts] and len(parts) == 21, [len(p.paths) for p in parts]
+    # Tiny databases: a few partitions of many, at least one per core.
+    tiny = small[:40]
+    for p in tiny:
+        os.truncate(p, 8192)
+    assert [len(g) for g in vspark.plan_by_bytes(tiny, 128 * mib, 2)] == [20, 20]
+    assert len(vspark.plan_by_bytes(tiny, 128 * mib, 8)) == 8
+
+    with pytest.raises(vspark.VerneuilSourceError, match="partition_bytes must be a size"):
+        vspark.options.Options({"query": "SELECT 1", "path": str(big), "partition_bytes": "lots"})
+
+
+def test_class_archive_is_kept_only_when_the_jvm_ends_cleanly(tmp_path, monkeypatch):
+    """`verneuilctl query`'s JVM class archive: written under a temporary
+    name, renamed once the JVM exited with 0, discarded otherwise; later
+    starts map it."""
+    from verneuil_fuse.spark import classcache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    class FakeJvm:
+        def __init__(self, archive, code):
+            self.stdin, self.returncode, self.archive, self.code = None, None, archive, code
+
+        def wait(self, timeout):
+            with open(self.archive.temp, "wb") as f:  # what the JVM writes as it exits
+                f.write(b"archive")
+            self.returncode = self.code
+
+    first = classcache.ClassArchive()
+    assert first.temp and any(o.startswith("-XX:ArchiveClassesAtExit=") for o in first.options)
+    first.finish(FakeJvm(first, 1), succeeded=True)
+    assert not os.path.exists(first.final) and not os.path.exists(first.temp)
+    again = classcache.ClassArchive()
+    again.finish(FakeJvm(again, 0), succeeded=True)
+    assert os.path.exists(again.final) and not os.path.exists(again.temp)
+    later = classcache.ClassArchive()
+    assert later.temp is None and "-XX:SharedArchiveFile=" + later.final in later.options
+    monkeypatch.setenv("VERNEUIL_SPARK_CDS", "0")
+    assert classcache.ClassArchive().options == []
