@@ -68,7 +68,7 @@ for p in (HERE, ROOT, os.path.join(ROOT, "tests")):
         sys.path.insert(0, p)
 
 import s3server  # noqa: E402
-from benchlib import drop_page_cache, moto_ranged, nginx_rig, peers, report  # noqa: E402
+from benchlib import drop_page_cache, make_events_db, moto_ranged, nginx_rig, peers, report  # noqa: E402
 from benchlib.proxy import CountingProxy  # noqa: E402
 from replicas import Mount, unmount  # noqa: E402
 from s3server import REGION, S3Server, fake_aws_env, patched_environ  # noqa: E402
@@ -724,15 +724,7 @@ class Bench:
         t = time.monotonic()
         for i in range(n):
             path = os.path.join(dbdir, "tenant%03d.db" % i)
-            con = sqlite3.connect(path, isolation_level=None)
-            con.execute("PRAGMA page_size=4096")
-            con.execute("CREATE TABLE events(id INTEGER PRIMARY KEY, kind TEXT, v REAL, note TEXT)")
-            con.execute("BEGIN")
-            con.execute("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x<?) "
-                        "INSERT INTO events(kind, v, note) SELECT 'k' || (x % 7), x * 0.5 + ?, "
-                        "hex(randomblob(48)) FROM c", (rows_per_db, i))
-            con.execute("COMMIT")
-            con.close()
+            make_events_db(path, rows_per_db, i)
             con = bench_copier.open_writer(spool, path)  # first write: a full snapshot
             con.execute("PRAGMA user_version = 1")
             con.close()

@@ -45,7 +45,7 @@ for p in (HERE, ROOT, os.path.join(ROOT, "tests")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from benchlib import drop_page_cache  # noqa: E402
+from benchlib import drop_page_cache, make_events_db  # noqa: E402
 
 # The workloads, one row per database of the same shape: `scan` reads every
 # row and does little with it (bound by reading the mount), `search` does a
@@ -105,15 +105,7 @@ def build(work: str, dbs: int, mb: int) -> tuple[str, str, int]:
     with copier.start_background(spool, store_url, rate=0) as bg:
         for i in range(dbs):
             path = os.path.join(src, "tenant%03d.db" % i)
-            con = sqlite3.connect(path, isolation_level=None)
-            con.execute("PRAGMA page_size=4096")
-            con.execute("CREATE TABLE events(id INTEGER PRIMARY KEY, kind TEXT, v REAL, note TEXT)")
-            con.execute("BEGIN")
-            con.execute("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x<?) "
-                        "INSERT INTO events(kind, v, note) SELECT 'k' || (x % 7), x * 0.5 + ?, "
-                        "hex(randomblob(48)) FROM c", (rows, i))
-            con.execute("COMMIT")
-            con.close()
+            make_events_db(path, rows, i)
             con = bench_copier.open_writer(spool, path)  # first write: a full snapshot
             con.execute("PRAGMA user_version = 1")
             con.close()

@@ -7,12 +7,14 @@
 - `peers`: s3fs-fuse and rclone mounts of one object on that server;
 - `nginx_rig`: nginx in front of moto, a store that is not the bottleneck;
 - `report`: the Markdown table and the PNG plots from the results JSON;
-- `drop_page_cache` and `apt_install` (here): shared by every benchmark script.
+- `drop_page_cache`, `apt_install` and `make_events_db` (here): shared by the
+  benchmark scripts.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 import subprocess
 
 
@@ -39,3 +41,18 @@ def drop_page_cache() -> bool:
         return True
     except OSError:
         return False
+
+
+def make_events_db(path: str, rows: int, shift: float) -> None:
+    """The fan-out benchmarks' tenant database: `events(id, kind, v, note)`,
+    `rows` rows of about 140 bytes (7 kinds, `v` = row * 0.5 + `shift`, a
+    96-hex-digit note), 4 KiB pages, rollback journal."""
+    con = sqlite3.connect(path, isolation_level=None)
+    con.execute("PRAGMA page_size=4096")
+    con.execute("CREATE TABLE events(id INTEGER PRIMARY KEY, kind TEXT, v REAL, note TEXT)")
+    con.execute("BEGIN")
+    con.execute("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x<?) "
+                "INSERT INTO events(kind, v, note) SELECT 'k' || (x % 7), x * 0.5 + ?, "
+                "hex(randomblob(48)) FROM c", (rows, shift))
+    con.execute("COMMIT")
+    con.close()
