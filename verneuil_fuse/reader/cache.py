@@ -8,12 +8,11 @@ stored, and they are verified again when read back (UMASH in C, a few
 microseconds per chunk), so a damaged, torn or foreign record is a miss,
 never wrong bytes.
 
-Why segments and not one file per chunk (or the ``diskcache`` library,
-which this module replaced): a scan that hits the cache after the page cache
+Why segments and not one file per chunk (or the ``diskcache`` library): a scan that hits the cache after the page cache
 was dropped reads the chunks in about the order it fetched them, and chunks
 appended back to back in one file are then read with the kernel's readahead
 at the disk's sequential speed. One file per chunk costs an open and a
-metadata lookup per 64 KiB and measured 4-5 times slower (docs/READER.md).
+metadata lookup per 64 KiB and measured 4-5 times slower.
 
 Chunks land in the order their fetches *started*, not the order they arrived:
 the fetcher takes a `_Slot` (the next 64 KiB of the segment being written)
@@ -38,8 +37,8 @@ or zero-filled record fails the check and is skipped, and bytes that did not
 reach the disk fail the fingerprint. A crash loses cached chunks, nothing
 else.
 
-Eviction: the oldest segments are deleted first (least recently stored,
-like before: a least-recently-used order would make every read a write),
+Eviction: the oldest segments are deleted first (least recently stored:
+a least-recently-used order would make every read a write),
 before a new segment starts, so the bytes on disk stay within
 ``size_limit`` (bar races between processes).
 

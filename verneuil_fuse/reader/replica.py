@@ -56,8 +56,8 @@ class PrefetchConfig:
     # page in a thread of ours: a warm SQL scan of 475 MiB from a cache the
     # VM's host holds took 0.37 s with 0 and 0.56 s with 256 (the mount's CPU
     # 0.27 against 0.43 s; 0.38 against 0.62 s with the disk's readahead at
-    # 128 KiB, 0.40 against 0.57 s over a cache laid out the old way), and
-    # from a cache just written 0.95 against 0.98 s at 1 GiB (docs/READER.md).
+    # 128 KiB), and from a cache just written 0.95 against 0.98 s at 1 GiB
+    # (docs/READER.md "Prefetch", docs/BENCHMARKS.md).
     cache_readahead_max: int = 0  # chunks
 
 
