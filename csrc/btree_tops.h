@@ -26,7 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "spool.h"
+#include "names.h" /* VN_CHUNK_SIZE */
 
 /* Most chunks besides chunk 0 a manifest may bundle: the array sizes below
  * and the manifest encoder's pieces (manifest_pb.h) are sized by it.  16

@@ -1,6 +1,7 @@
 /*
  * The spool (docs/SPOOL.md): boot root, per-database directory, staging and
- * ready snapshots, publish by rename, garbage collection.
+ * ready snapshots, publish by rename, garbage collection.  Its files are
+ * named with the store's object names (names.h).
  *
  * Everything here is a wait-free sequence of POSIX file operations: files are
  * fully written and made read-only in `staging/scratch` before rename(2)
@@ -23,38 +24,7 @@
 #include <sys/uio.h>
 #include <time.h>
 
-#include "umash.h"
-
-/* docs/FORMAT.md: chunks are 64 KiB (SQLite's largest page), aligned on file
- * offsets; the last one may be short. */
-#define VN_CHUNK_SIZE 65536
-
-/* docs/FORMAT.md: chunk names are "%016x%%2F%016x": 35 characters. */
-#define VN_CHUNK_NAME_LEN 35
-
-/* docs/FORMAT.md: a percent-encoded manifest name of this many bytes or more is
- * shortened to its first and last VN_MANGLE_KEEP bytes around a fingerprint;
- * so a name never exceeds 2 * 104 + 32 = 240 bytes (NAME_MAX is 255). */
-#define VN_MANGLE_THRESHOLD 230
-#define VN_MANGLE_KEEP 104
-#define VN_MANIFEST_NAME_MAX (2 * VN_MANGLE_KEEP + 32 + 1)
-
-/* The six parameter sets of docs/FORMAT.md, derived once at registration. */
-struct vn_keys {
-	struct vn_umash_params chunk;
-	struct vn_umash_params directory;
-	struct vn_umash_params header;
-	struct vn_umash_params path;
-	struct vn_umash_params hostname;
-	struct vn_umash_params mangling;
-	struct vn_umash_fp zero_chunk; /* fingerprint of 64 KiB of zeros */
-	/* UMASH's fingerprint is the pair (primary hash, secondary hash), so
-	 * the primary alone (vn_umash_full(which = 0), half the work) checks a
-	 * chunk against its name; checked once here, on 64 KiB of zeros. */
-	int primary_is_full;
-};
-
-void vn_keys_derive(struct vn_keys *keys);
+#include "names.h"
 
 /* Where one database's snapshots live. */
 struct vn_spool {
@@ -70,14 +40,6 @@ struct vn_spool {
 int vn_spool_init(struct vn_spool *spool, const struct vn_keys *keys,
     const char *spool_root, const char *canon);
 void vn_spool_fini(struct vn_spool *spool);
-
-/* The manifest name of docs/FORMAT.md for `canon` on this host. */
-int vn_manifest_name(const struct vn_keys *keys, const char *canon,
-    char out[VN_MANIFEST_NAME_MAX]);
-
-/* "%016x%2F%016x" */
-void vn_chunk_name(uint64_t major, uint64_t minor,
-    char out[VN_CHUNK_NAME_LEN + 1]);
 
 /* Fills `buf` with random bytes (getrandom(2); never fails silently: falls
  * back to /dev/urandom, then to clock and pid mixing). */

@@ -268,22 +268,60 @@ int vn_journal_is_hot(const char *db_path)
 
 /* ---- snapshots ---------------------------------------------------------- */
 
+/*
+ * One snapshot as it goes through the steps of vn_tracker_snapshot(): what
+ * the file is now, what the judge decided, what staging produced, what is
+ * published, and what failed.
+ */
 struct build {
 	struct vn_tracker *t;
 	sqlite3_file *db;
 	struct vn_spool_session *s; /* t->session */
+
+	/* The file now (read_current). */
 	sqlite3_int64 size;
 	uint64_t n_chunks;
+	size_t len0;       /* bytes of chunk 0 in t->chunk0 */
+	ssize_t xattr_len; /* bytes of version xattr in now.version_id; 0: none */
+	/* The manifest being built: header_fprint and version_id from
+	 * read_current, the rest from describe_snapshot. */
+	struct vn_manifest now;
+
+	/* The judge's verdict (judge_staged). */
+	int use_incremental; /* update the staged manifest's chunk list */
+	uint64_t old_len;  /* the staged manifest's len, if incremental */
+
+	/* Staging (stage_chunks). */
 	uint64_t *words;   /* 2 per chunk: t->staged.chunks, updated in place */
 	uint64_t old_chunks; /* words[0 .. 2 * old_chunks) held the old ones */
-	size_t len0;       /* bytes of chunk 0 in t->chunk0 */
 	int changed;       /* some fingerprint differs from the old one */
 	size_t created;    /* chunk files written */
 	struct vn_tops tops; /* bundled besides chunk 0 */
+
+	/* Publication (describe_snapshot, publish_manifest, publish_ready). */
+	int unchanged;     /* the staged manifest is current: not rewritten */
+	struct vn_file_id id; /* identity of staging/meta/<name> */
+	struct vn_manifest_parts parts; /* its encoding, copied to ready too */
+
+	/* What failed (abandon). */
 	const char *what;  /* failed operation, for the log */
 	int err;           /* errno value, or 0 for SQLite errors */
 	int sqlite_rc;
 };
+
+/* Records a failed operation and its errno value; returns -1. */
+static int fail_with(struct build *b, const char *what, int err)
+{
+	b->what = what;
+	b->err = err;
+	return -1;
+}
+
+/* The same for a spool operation, which named itself in the session. */
+static int spool_failed(struct build *b, int err)
+{
+	return fail_with(b, b->s->what, err);
+}
 
 static int read_chunk(struct build *b, uint64_t i, uint8_t *buf, size_t *len)
 {
@@ -323,11 +361,8 @@ static int record_chunk(struct build *b, uint64_t i, const uint8_t *data,
 		return 0;
 	rc = vn_spool_stage_chunk(b->s, fp.hash[0], fp.hash[1], data, len,
 	    &created);
-	if (rc != 0) {
-		b->what = b->s->what;
-		b->err = rc;
-		return -1;
-	}
+	if (rc != 0)
+		return spool_failed(b, rc);
 	b->created += (size_t)created;
 	t->stats.staged += (uint64_t)created;
 	return 0;
@@ -549,6 +584,9 @@ static int load_staged(struct vn_tracker *t)
 	return 0;
 }
 
+/* GC: after a snapshot that staged chunks, with probability gc_weight *
+ * (chunks staged) / (chunks in the file), deletes the staged chunks the new
+ * chunk list does not name (vn_spool_gc). */
 static void maybe_gc(struct build *b, double gc_weight)
 {
 	struct vn_tracker *t = b->t;
@@ -593,48 +631,20 @@ static int low_space_quiet(struct vn_tracker *t)
 	return said_recently(&t->low_space_logged_at, VN_LOW_SPACE_LOG_SECONDS);
 }
 
-enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
-    sqlite3_file *db, const struct vn_snapshot_config *config)
-{
-	struct build b = { .t = t, .db = db, .s = &t->session };
-	struct vn_manifest now;
-	struct vn_manifest_parts parts;
-	uint8_t xattr[VN_MAX_VERSION_ID - 16];
-	uint64_t old_len = 0;
-	size_t hn;
-	ssize_t xn;
-	int use_incremental = 0, unchanged, published = 0, rc;
-	struct stat st;
-	struct vn_file_id id;
+/* ---- the steps of a snapshot --------------------------------------------- */
 
-	memset(&now, 0, sizeof(now));
-	if (!t->spool_ok) {
-		b.what = "locate the spool directory";
-		b.err = ENOENT;
-		goto fail;
-	}
-	if (db->pMethods->xFileSize(db, &b.size) != SQLITE_OK) {
-		b.what = "get the file size";
-		goto fail;
-	}
-	if (b.size == 0)
-		return VN_SNAPSHOT_EMPTY;
-	if (ensure_buffers(t) != 0) {
-		b.what = "allocate buffers";
-		b.err = ENOMEM;
-		goto fail;
-	}
-	/* Chunk 0 is needed in every case (it is bundled in the manifest) and
-	 * holds the header: read it once. */
-	if (read_chunk(&b, 0, t->chunk0, &b.len0) != 0)
-		goto fail;
-	hn = b.len0 < VN_HEADER_BYTES ? b.len0 : VN_HEADER_BYTES;
-	/* Bytes 18 and 19: file format write/read versions; 2 means WAL. */
-	if (hn >= 20 && (t->chunk0[18] == 2 || t->chunk0[19] == 2))
-		return VN_SNAPSHOT_WAL;
-	now.header_fprint = vn_umash_fprint(&t->keys->header, 0, t->chunk0, hn);
-	now.has_header_fprint = 1;
-	xn = 0;
+/*
+ * The version id of the file now (docs/FORMAT.md): the version xattr, then
+ * the header fingerprint, into b->now; the xattr's length in b->xattr_len
+ * (0: the file has no version, so the staged manifest cannot be updated
+ * incrementally).
+ */
+static void read_version_id(struct build *b)
+{
+	struct vn_tracker *t = b->t;
+	uint8_t xattr[VN_MAX_VERSION_ID - 16];
+	ssize_t xn = 0;
+
 	if (!t->uuid_written && !t->no_xattr) {
 		xn = read_version_xattr(t, xattr, sizeof(xattr));
 		if (xn == 0 && !t->no_xattr) {
@@ -657,39 +667,96 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 	} else if (xn < 0) {
 		xn = 0;
 	}
-	now.version_id_len = make_version_id(now.version_id, xattr,
-	    (size_t)xn, &now.header_fprint);
+	b->xattr_len = xn;
+	b->now.version_id_len = make_version_id(b->now.version_id, xattr,
+	    (size_t)xn, &b->now.header_fprint);
+}
 
-	if (!vn_spool_session_valid(b.s)) {
-		vn_spool_close(b.s);
+/*
+ * The file as it is now: its size, chunk 0 (needed in every case, since it
+ * is bundled in the manifest, and holding the header: read once), the
+ * header's fingerprint and the version id.  VN_SNAPSHOT_DONE to go on;
+ * VN_SNAPSHOT_EMPTY or VN_SNAPSHOT_WAL when there is nothing to snapshot;
+ * VN_SNAPSHOT_FAILED with b->what set.
+ */
+static enum vn_snapshot_result read_current(struct build *b)
+{
+	struct vn_tracker *t = b->t;
+	size_t hn;
+
+	if (!t->spool_ok) {
+		fail_with(b, "locate the spool directory", ENOENT);
+		return VN_SNAPSHOT_FAILED;
+	}
+	if (b->db->pMethods->xFileSize(b->db, &b->size) != SQLITE_OK) {
+		b->what = "get the file size";
+		return VN_SNAPSHOT_FAILED;
+	}
+	if (b->size == 0)
+		return VN_SNAPSHOT_EMPTY;
+	if (ensure_buffers(t) != 0) {
+		fail_with(b, "allocate buffers", ENOMEM);
+		return VN_SNAPSHOT_FAILED;
+	}
+	if (read_chunk(b, 0, t->chunk0, &b->len0) != 0)
+		return VN_SNAPSHOT_FAILED;
+	hn = b->len0 < VN_HEADER_BYTES ? b->len0 : VN_HEADER_BYTES;
+	/* Bytes 18 and 19: file format write/read versions; 2 means WAL. */
+	if (hn >= 20 && (t->chunk0[18] == 2 || t->chunk0[19] == 2))
+		return VN_SNAPSHOT_WAL;
+	b->n_chunks = ((uint64_t)b->size + VN_CHUNK_SIZE - 1) / VN_CHUNK_SIZE;
+	b->now.header_fprint = vn_umash_fprint(&t->keys->header, 0, t->chunk0,
+	    hn);
+	b->now.has_header_fprint = 1;
+	read_version_id(b);
+	return VN_SNAPSHOT_DONE;
+}
+
+/*
+ * The spool's directories, reopened (and recreated) when someone removed
+ * them, and room for a chunk: a spool already short of space gives up
+ * before reading anything (a full rebuild would read the whole file only
+ * to stop at its first new chunk).  0, or -1 with b->what set.
+ */
+static int open_session(struct build *b)
+{
+	struct vn_tracker *t = b->t;
+	int rc;
+
+	if (!vn_spool_session_valid(b->s)) {
+		vn_spool_close(b->s);
 		t->staged_valid = 0;
-		rc = vn_spool_open(&t->spool, b.s);
-		if (rc != 0) {
-			b.what = b.s->what;
-			b.err = rc;
-			goto fail;
-		}
+		rc = vn_spool_open(&t->spool, b->s);
+		if (rc != 0)
+			return spool_failed(b, rc);
 	}
-	/* A spool already short of space: give up before reading anything
-	 * (a full rebuild would read the whole file only to stop at its first
-	 * new chunk). */
-	rc = vn_spool_check_room(b.s, VN_CHUNK_SIZE);
-	if (rc != 0) {
-		b.what = b.s->what;
-		b.err = rc;
-		goto fail;
-	}
-	b.n_chunks = ((uint64_t)b.size + VN_CHUNK_SIZE - 1) / VN_CHUNK_SIZE;
+	rc = vn_spool_check_room(b->s, VN_CHUNK_SIZE);
+	if (rc != 0)
+		return spool_failed(b, rc);
+	return 0;
+}
 
-	if (!t->force_full && t->base_valid && xn > 0) {
-		/* The decoded copy if the staged file is still the one we
-		 * decoded or wrote (published files never change in place);
-		 * otherwise read it. */
+/*
+ * Judge: whether the staged manifest's chunk list plus this write period's
+ * dirty chunks describe the file (b->use_incremental, from b->old_len bytes).
+ * That needs a version id at write lock (base_version) equal to the staged
+ * manifest's, and a staged manifest of ours (one fingerprint per chunk, no
+ * base chunks).  The decoded copy in t->staged serves if staging/meta/<name>
+ * is still the file we decoded or wrote (published files never change in
+ * place); otherwise the file is read.
+ */
+static void judge_staged(struct build *b)
+{
+	struct vn_tracker *t = b->t;
+	struct vn_file_id id;
+
+	b->use_incremental = 0;
+	if (!t->force_full && t->base_valid && b->xattr_len > 0) {
 		if (!t->staged_valid ||
-		    vn_spool_manifest_id(b.s, &t->spool, &id) != 0 ||
+		    vn_spool_manifest_id(b->s, &t->spool, &id) != 0 ||
 		    !vn_file_id_equal(&id, &t->staged_id))
 			load_staged(t);
-		use_incremental = t->staged_valid &&
+		b->use_incremental = t->staged_valid &&
 		    !t->staged.has_base_chunks_fprint && t->staged.len > 0 &&
 		    t->staged.n_words == 2 * ((t->staged.len + VN_CHUNK_SIZE - 1) /
 		    VN_CHUNK_SIZE) &&
@@ -697,137 +764,230 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 		    memcmp(t->staged.version_id, t->base_version,
 		    t->staged.version_id_len) == 0;
 	}
-	old_len = use_incremental ? t->staged.len : 0;
+	b->old_len = b->use_incremental ? t->staged.len : 0;
+}
+
+/*
+ * Stage: brings b->words (t->staged.chunks) to the file's fingerprints and
+ * stages every chunk that may have changed, from the dirty chunks when the
+ * judge allows it, else from a full scan; then chooses the chunks to bundle
+ * besides chunk 0.  A chunk found to have changed behind our back (by the
+ * random re-hash, or when bundled) means a full scan.  0, or -1 with
+ * b->what set.
+ */
+static int stage_chunks(struct build *b, size_t bundle_chunks)
+{
+	struct vn_tracker *t = b->t;
+	int rc;
+
 	/* From here the words are rewritten in place: until the new manifest
 	 * is published (or found unchanged), they describe no staged file. */
 	t->staged_valid = 0;
-	if (reserve_words(t, b.n_chunks) != 0) {
-		b.what = "allocate the chunk list";
-		b.err = ENOMEM;
-		goto fail;
-	}
-	b.words = t->staged.chunks;
-	if (use_incremental) {
-		rc = incremental(&b, old_len);
+	if (reserve_words(t, b->n_chunks) != 0)
+		return fail_with(b, "allocate the chunk list", ENOMEM);
+	b->words = t->staged.chunks;
+	if (b->use_incremental) {
+		rc = incremental(b, b->old_len);
 		if (rc < 0)
-			goto fail;
+			return -1;
 		if (rc > 0)
-			use_incremental = 0;
+			b->use_incremental = 0;
 	}
-	if (!use_incremental && full_scan(&b) != 0)
-		goto fail;
-	rc = choose_bundled(&b, config->bundle_chunks);
+	if (!b->use_incremental && full_scan(b) != 0)
+		return -1;
+	rc = choose_bundled(b, bundle_chunks);
 	if (rc > 0) {
-		use_incremental = 0;
-		if (full_scan(&b) != 0)
-			goto fail;
+		b->use_incremental = 0;
+		if (full_scan(b) != 0)
+			return -1;
 		/* Under our SHARED lock the file cannot change again: a second
 		 * mismatch cannot happen, and would only drop the bundles. */
-		rc = choose_bundled(&b, config->bundle_chunks);
+		rc = choose_bundled(b, bundle_chunks);
 		if (rc > 0)
-			b.tops.n = 0;
+			b->tops.n = 0;
 	}
-	if (rc < 0)
-		goto fail;
+	return rc < 0 ? -1 : 0;
+}
 
-	unchanged = use_incremental && !b.changed &&
-	    old_len == (uint64_t)b.size &&
-	    t->staged.version_id_len == now.version_id_len &&
-	    memcmp(t->staged.version_id, now.version_id, now.version_id_len) == 0;
-	if (unchanged) {
-		/* Nothing changed: the staged manifest is current. */
-		now = t->staged;
-		id = t->staged_id;
+/*
+ * The manifest to publish, into b->now: the staged one when nothing changed
+ * since it was written (same fingerprints, length and version id:
+ * b->unchanged), else a new one over b->words; either way with chunk 0 and
+ * the chosen b-tree tops bundled.
+ */
+static void describe_snapshot(struct build *b)
+{
+	struct vn_tracker *t = b->t;
+	struct vn_manifest *now = &b->now;
+	struct stat st;
+
+	b->unchanged = b->use_incremental && !b->changed &&
+	    b->old_len == (uint64_t)b->size &&
+	    t->staged.version_id_len == now->version_id_len &&
+	    memcmp(t->staged.version_id, now->version_id,
+	    now->version_id_len) == 0;
+	if (b->unchanged) {
+		*now = t->staged;
+		b->id = t->staged_id;
 	} else {
-		now.contents_fprint = vn_umash_fprint(&t->keys->directory, 0,
-		    b.words, 16 * b.n_chunks);
-		now.has_contents_fprint = 1;
-		now.len = (uint64_t)b.size;
+		now->contents_fprint = vn_umash_fprint(&t->keys->directory, 0,
+		    b->words, 16 * b->n_chunks);
+		now->has_contents_fprint = 1;
+		now->len = (uint64_t)b->size;
 		if (stat(t->path, &st) == 0) {
-			now.ctime = (int64_t)st.st_ctim.tv_sec;
-			now.ctime_ns = (int32_t)st.st_ctim.tv_nsec;
+			now->ctime = (int64_t)st.st_ctim.tv_sec;
+			now->ctime_ns = (int32_t)st.st_ctim.tv_nsec;
 		}
-		now.chunks = b.words;
-		now.n_words = 2 * b.n_chunks;
+		now->chunks = b->words;
+		now->n_words = 2 * b->n_chunks;
 	}
-	now.bundled0 = t->chunk0;
-	now.bundled0_len = b.len0;
-	now.has_bundled0 = 1;
-	now.n_extra = b.tops.n;
-	for (size_t k = 0; k < b.tops.n; k++) {
-		now.extra[k].index = b.tops.index[k];
-		now.extra[k].data = b.tops.data[k];
-		now.extra[k].len = b.tops.len[k];
+	now->bundled0 = t->chunk0;
+	now->bundled0_len = b->len0;
+	now->has_bundled0 = 1;
+	now->n_extra = b->tops.n;
+	for (size_t k = 0; k < b->tops.n; k++) {
+		now->extra[k].index = b->tops.index[k];
+		now->extra[k].data = b->tops.data[k];
+		now->extra[k].len = b->tops.len[k];
 	}
-	if (vn_manifest_encode_parts(&now, &parts) != 0) {
-		b.what = "encode the manifest";
-		b.err = EFBIG;
-		goto fail;
-	}
-	if (unchanged) {
+}
+
+/*
+ * Publish, in staging: encodes b->now into b->parts and swaps it into
+ * staging/meta/<name>, unless b->unchanged (that file holds these bytes
+ * already); then keeps it decoded in t->staged for the next snapshot.  0,
+ * or -1 with b->what set.
+ */
+static int publish_manifest(struct build *b)
+{
+	struct vn_tracker *t = b->t;
+	int rc;
+
+	if (vn_manifest_encode_parts(&b->now, &b->parts) != 0)
+		return fail_with(b, "encode the manifest", EFBIG);
+	if (b->unchanged) {
 		t->stats.unchanged++;
 	} else {
-		rc = vn_spool_publish_manifest(b.s, &t->spool, parts.iov,
-		    parts.iovcnt, &id);
-		if (rc != 0) {
-			b.what = b.s->what;
-			b.err = rc;
-			goto fail;
-		}
-		if (use_incremental)
+		rc = vn_spool_publish_manifest(b->s, &t->spool, b->parts.iov,
+		    b->parts.iovcnt, &b->id);
+		if (rc != 0)
+			return spool_failed(b, rc);
+		if (b->use_incremental)
 			t->stats.incremental++;
 		else
 			t->stats.full++;
 	}
-	/* The words describe the staged file again (parts keeps pointing at
-	 * chunk 0 for the ready copy). */
-	now.bundled0 = NULL;
-	now.bundled0_len = 0;
-	now.has_bundled0 = 0;
-	now.n_extra = 0;
-	t->stats.bundled = b.tops.n;
-	t->staged = now;
-	t->staged_id = id;
+	/* The words describe the staged file again (b->parts keeps pointing
+	 * at chunk 0 for the ready copy). */
+	b->now.bundled0 = NULL;
+	b->now.bundled0_len = 0;
+	b->now.has_bundled0 = 0;
+	b->now.n_extra = 0;
+	t->stats.bundled = b->tops.n;
+	t->staged = b->now;
+	t->staged_id = b->id;
 	t->staged_valid = 1;
+	return 0;
+}
 
-	rc = vn_spool_publish_ready(b.s, &t->spool, parts.iov, parts.iovcnt,
-	    b.words, b.n_chunks, &published);
+/*
+ * Publish, in `ready` if it is missing or empty (docs/SPOOL.md): 1 if it
+ * was published, 0 if ready was left alone, -1 if that failed.  A failure
+ * leaves the staged snapshot standing: it is logged, and ready is retried by
+ * the next snapshot.
+ */
+static int publish_ready(struct build *b)
+{
+	struct vn_tracker *t = b->t;
+	int published = 0;
+	int rc;
+
+	rc = vn_spool_publish_ready(b->s, &t->spool, b->parts.iov,
+	    b->parts.iovcnt, b->words, b->n_chunks, &published);
 	if (rc != 0) {
-		/* The staged snapshot stands; ready is retried next time. */
 		if (rc != ENOSPC || !low_space_quiet(t))
 			vn_log(SQLITE_WARNING,
 			    "verneuil: %s: cannot publish ready: %s: %s",
-			    t->path, b.s->what, strerror(rc));
-	} else if (published) {
+			    t->path, b->s->what, strerror(rc));
+		return -1;
+	}
+	if (published)
 		t->stats.ready++;
-	} else {
-		maybe_gc(&b, config->gc_weight);
-	}
-	return VN_SNAPSHOT_DONE;
+	return published;
+}
 
-fail:
-	t->stats.failed++;
-	if (b.err == ENOSPC) {
-		t->stats.low_space++;
-		if (low_space_quiet(t))
-			goto abandon;
-	}
-	if (b.err == ENOSPC ||
-	    (b.err != 0 && !said_recently(&t->abandon_warned_at,
+/* The log line of an abandoned snapshot: on stderr too for a spool short of
+ * space and, once per VN_ABANDON_WARN_SECONDS, for other errno values. */
+static void log_abandon(struct build *b)
+{
+	struct vn_tracker *t = b->t;
+
+	if (b->err == ENOSPC ||
+	    (b->err != 0 && !said_recently(&t->abandon_warned_at,
 	    VN_ABANDON_WARN_SECONDS)))
 		vn_warn("verneuil: %s: snapshot abandoned: %s: %s (the commit "
 		    "stands; NOT replicated until the spool takes snapshots again)",
-		    t->path, b.what, strerror(b.err));
-	else if (b.err != 0)
+		    t->path, b->what, strerror(b->err));
+	else if (b->err != 0)
 		vn_log(SQLITE_WARNING, "verneuil: %s: snapshot abandoned: %s: %s",
-		    t->path, b.what, strerror(b.err));
+		    t->path, b->what, strerror(b->err));
 	else
-		vn_log(b.sqlite_rc ? b.sqlite_rc : SQLITE_IOERR,
+		vn_log(b->sqlite_rc ? b->sqlite_rc : SQLITE_IOERR,
 		    "verneuil: %s: snapshot abandoned: %s (SQLite error %d)",
-		    t->path, b.what, b.sqlite_rc);
-abandon:
+		    t->path, b->what, b->sqlite_rc);
+}
+
+/*
+ * Gives the snapshot up; the commit stands.  Counts it, logs it (a spool
+ * short of space once per VN_LOW_SPACE_LOG_SECONDS), clears the version id
+ * so that the next snapshot is a full rebuild, and closes the session
+ * (reopened, and the spool recreated, next time).
+ */
+static enum vn_snapshot_result abandon(struct build *b)
+{
+	struct vn_tracker *t = b->t;
+
+	t->stats.failed++;
+	if (b->err == ENOSPC)
+		t->stats.low_space++;
+	if (b->err != ENOSPC || !low_space_quiet(t))
+		log_abandon(b);
 	vn_tracker_clear_version(t);
-	vn_spool_close(b.s); /* reopened (and recreated) next time */
+	vn_spool_close(b->s);
 	t->staged_valid = 0;
 	return VN_SNAPSHOT_FAILED;
+}
+
+/*
+ * A snapshot in the steps of Verneuil's: read the file's chunk 0 and
+ * version id; judge whether the staged manifest can be updated from the
+ * dirty chunks; stage the chunks that may have changed; publish the
+ * manifest in staging (unless it is current already), then in `ready` if
+ * that is empty, else maybe collect garbage.  Replication never fails
+ * SQLite: a failed step abandons the snapshot (logged; the commit stands).
+ */
+enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
+    sqlite3_file *db, const struct vn_snapshot_config *config)
+{
+	struct build b = { .t = t, .db = db, .s = &t->session };
+	enum vn_snapshot_result res;
+
+	res = read_current(&b);
+	if (res == VN_SNAPSHOT_FAILED)
+		return abandon(&b);
+	if (res != VN_SNAPSHOT_DONE)
+		return res; /* empty or WAL: nothing to snapshot */
+	if (open_session(&b) != 0)
+		return abandon(&b);
+	judge_staged(&b);
+	if (stage_chunks(&b, config->bundle_chunks) != 0)
+		return abandon(&b);
+	describe_snapshot(&b);
+	if (publish_manifest(&b) != 0)
+		return abandon(&b);
+	/* GC only beside a ready left alone: publishing ready empties
+	 * staging/chunks. */
+	if (publish_ready(&b) == 0)
+		maybe_gc(&b, config->gc_weight);
+	return VN_SNAPSHOT_DONE;
 }

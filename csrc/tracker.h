@@ -22,6 +22,7 @@
 #include "btree_tops.h"
 #include "log.h"
 #include "manifest_pb.h"
+#include "names.h"
 #include "spool.h"
 
 /* The xattr holding the version UUID (docs/FORMAT.md). */

@@ -36,10 +36,26 @@ int verneuil_vfs_register(const char *spool_dir, int make_default);
 
 /*
  * Same, configured from the VERNEUIL_CONFIG environment variable (JSON, or
- * "@/path/to/file.json"): keys `replication_spooling_dir` and
- * `make_default`.  Without the variable, replication is disabled.
+ * "@/path/to/file.json"): keys `replication_spooling_dir`, `make_default`
+ * and `warn_stderr`.  Without the variable, replication is disabled; an
+ * unusable one is logged and replicates nothing.
  */
 int verneuil_vfs_register_from_env(void);
+
+/*
+ * VERNEUIL_CONFIG as verneuil_vfs_register_from_env() reads it, for a host
+ * that registers the VFS itself (writer_vfs): replication_spooling_dir into
+ * spool[0, spool_cap) ("" for none) and its length into *spool_len (when
+ * that is spool_cap or more it was cut: call again with more room);
+ * make_default (0 or 1) and warn_stderr (0 or 1; -1 when absent).  Returns
+ * 0; -1 when the config is unusable (nothing replicates, no key applies);
+ * 1 when only replication_spooling_dir is (nothing replicates, the other
+ * keys apply).  Then why[0, why_cap) holds the sentence to log, the same
+ * as verneuil_vfs_register_from_env() logs.
+ */
+int verneuil_vfs_config_from_env(char *spool, size_t spool_cap,
+    size_t *spool_len, int *make_default, int *warn_stderr, char *why,
+    size_t why_cap);
 
 /*
  * GC runs after a snapshot with probability weight * (chunks staged by that

@@ -671,35 +671,38 @@ int verneuil_vfs_db_spool_dir(const char *spool_dir, const char *db_path,
 
 int verneuil_vfs_register_from_env(void)
 {
-	const char *env = getenv("VERNEUIL_CONFIG");
-	char *file = NULL;
-	const char *text = env;
-	size_t len = env != NULL ? strlen(env) : 0;
-	struct vn_env_config cfg = { NULL, 0, -1 };
+	struct vn_env_config cfg;
+	char why[VN_CONFIG_WHY_MAX];
 	int rc;
 
-	if (env != NULL && env[0] == '@') {
-		file = vn_config_read_file(env + 1, &len);
-		if (file == NULL) {
-			vn_log(SQLITE_WARNING, "verneuil: cannot read "
-			    "VERNEUIL_CONFIG file %s: %s", env + 1,
-			    strerror(errno));
-			return verneuil_vfs_register(NULL, 0);
-		}
-		text = file;
-	}
-	if (text != NULL && vn_config_parse(text, len, &cfg) != 0) {
-		vn_log(SQLITE_WARNING, "verneuil: VERNEUIL_CONFIG is not a JSON "
-		    "object; replication disabled");
-		free(cfg.spool);
-		cfg.spool = NULL;
-		cfg.make_default = 0;
-	}
+	/* The sink before the first message (verneuil_vfs_register sets it
+	 * too). */
+	vn_log_set_sink(sqlite3_log);
+	if (vn_config_from_env(&cfg, why, sizeof(why)) != 0)
+		vn_log(SQLITE_WARNING, "verneuil: %s", why);
 	if (cfg.warn_stderr >= 0)
 		verneuil_vfs_set_warn_stderr(cfg.warn_stderr);
 	rc = verneuil_vfs_register(cfg.spool, cfg.make_default);
-	free(cfg.spool);
-	free(file);
+	vn_config_free(&cfg);
+	return rc;
+}
+
+int verneuil_vfs_config_from_env(char *spool, size_t spool_cap,
+    size_t *spool_len, int *make_default, int *warn_stderr, char *why,
+    size_t why_cap)
+{
+	struct vn_env_config cfg;
+	int rc;
+
+	if (why_cap > 0)
+		why[0] = 0;
+	rc = vn_config_from_env(&cfg, why, why_cap);
+	*spool_len = cfg.spool != NULL ? strlen(cfg.spool) : 0;
+	if (spool_cap > 0)
+		snprintf(spool, spool_cap, "%s", cfg.spool != NULL ? cfg.spool : "");
+	*make_default = cfg.make_default;
+	*warn_stderr = cfg.warn_stderr;
+	vn_config_free(&cfg);
 	return rc;
 }
 

@@ -9,12 +9,11 @@ VERNEUIL_CONFIG).  Nothing here imports verneuil_fuse.
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import sqlite3
 import urllib.parse
-from typing import Optional
+from typing import Optional, Tuple
 
 from ._vfs import ffi, lib
 
@@ -31,18 +30,37 @@ if _LIBVERSION != sqlite3.sqlite_version:
         % (_LIBVERSION, sqlite3.sqlite_version))
 
 
-def config_from_env() -> dict:
-    """VERNEUIL_CONFIG as a dict: JSON, or "@/path/to/file.json"; {} if unset."""
-    text = os.environ.get("VERNEUIL_CONFIG")
-    if not text:
-        return {}
-    if text.startswith("@"):
-        with open(text[1:], "r", encoding="utf-8") as f:
-            text = f.read()
-    config = json.loads(text)
-    if not isinstance(config, dict):
-        raise ValueError("VERNEUIL_CONFIG must hold a JSON object")
-    return config
+# Room for a spool directory's path on the first try (PATH_MAX); a longer
+# one is read again with room enough.
+_SPOOL_CAP = 4096
+# Room for the sentence about an unusable config (csrc/config.h,
+# VN_CONFIG_WHY_MAX).
+_WHY_CAP = 1024
+
+
+def _config_from_env() -> Tuple[Optional[str], bool, Optional[bool]]:
+    """VERNEUIL_CONFIG as the loadable extension reads it (csrc/config.c, the
+    writer's one reader of it: JSON, or "@/path/to/file.json"):
+    (replication_spooling_dir or None, make_default, warn_stderr or None when
+    absent).  An unusable config is logged and replicates nothing."""
+    spool_len = ffi.new("size_t *")
+    make_default = ffi.new("int *")
+    warn_stderr = ffi.new("int *")
+    why = ffi.new("char[]", _WHY_CAP)
+    cap = _SPOOL_CAP
+    while True:
+        spool = ffi.new("char[]", cap)
+        rc = lib.verneuil_vfs_config_from_env(spool, cap, spool_len, make_default, warn_stderr,
+                                              why, _WHY_CAP)
+        if spool_len[0] < cap:
+            break
+        cap = spool_len[0] + 1
+    if rc != 0:  # the sentence the loadable extension logs too
+        log.error("%s", ffi.string(why).decode("utf-8", "replace"))
+    if rc < 0:  # an unreadable @file, bad JSON, not an object: no key applies
+        return None, False, None
+    spool_dir = os.fsdecode(ffi.string(spool)) if spool_len[0] else None
+    return spool_dir, bool(make_default[0]), None if warn_stderr[0] < 0 else bool(warn_stderr[0])
 
 
 def register(spool_dir: Optional[str] = None, make_default: bool = False) -> Optional[str]:
@@ -59,18 +77,9 @@ def register(spool_dir: Optional[str] = None, make_default: bool = False) -> Opt
     commits go on (counted as failed snapshots until it can be).
     """
     if spool_dir is None:
-        try:
-            config = config_from_env()
-        except (OSError, ValueError) as e:  # a missing @file, bad JSON, not an object
-            log.error("VERNEUIL_CONFIG is unusable (%s): the verneuil VFS replicates nothing", e)
-            config = {}
-        spool_dir = config.get("replication_spooling_dir")
-        if spool_dir is not None and not isinstance(spool_dir, str):
-            log.error("VERNEUIL_CONFIG: replication_spooling_dir must be a string, not %r: "
-                      "the verneuil VFS replicates nothing", spool_dir)
-            spool_dir = None
-        make_default = make_default or bool(config.get("make_default", False))
-        if config.get("warn_stderr") is False:
+        spool_dir, config_default, warn_stderr = _config_from_env()
+        make_default = make_default or config_default
+        if warn_stderr is False:
             set_warn_stderr(False)
     if spool_dir is not None:
         spool_dir = os.path.abspath(os.fspath(spool_dir))

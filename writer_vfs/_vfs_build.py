@@ -13,7 +13,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CSRC = os.path.join(_ROOT, "csrc")
 
 # The C files of the VFS, shared with the loadable extension in setup.py.
-SOURCES = ["vfs.c", "config.c", "log.c", "tracker.c", "spool.c", "manifest_pb.c", "btree_tops.c", "umash.c"]
+SOURCES = ["vfs.c", "config.c", "log.c", "tracker.c", "spool.c", "names.c", "manifest_pb.c",
+           "btree_tops.c", "umash.c"]
 CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-Wextra"]
 
 ffibuilder = FFI()
@@ -21,6 +22,8 @@ ffibuilder.cdef(
     """
     int verneuil_vfs_register(const char *spool_dir, int make_default);
     int verneuil_vfs_register_from_env(void);
+    int verneuil_vfs_config_from_env(char *spool, size_t spool_cap, size_t *spool_len,
+        int *make_default, int *warn_stderr, char *why, size_t why_cap);
     void verneuil_vfs_set_gc_weight(double weight);
     int verneuil_vfs_set_bundle_chunks(int n);
     void verneuil_vfs_set_log_stderr(int on);
