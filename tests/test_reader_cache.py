@@ -47,7 +47,7 @@ def segments(d) -> list[bytes]:
 def test_put_get_and_persistence(tmp_path):
     items = chunks(20) + chunks(3, seed=1, size=1000)
     c = ChunkCache(str(tmp_path), 1 << 30)
-    assert c.get(items[0][0]) is None and not c.contains(items[0][0])
+    assert c.get(items[0][0]) is None and not c.has_blocking(items[0][0])
     for fp, data in items:
         c.put(fp, data)
         c.put(fp, data)  # a second put of the same chunk is a no-op
@@ -76,7 +76,7 @@ def test_damaged_bytes_are_a_miss_never_served(tmp_path):
         f.write(bytes([b[0] ^ 1]))
     d = ChunkCache(str(tmp_path), 1 << 30)
     assert d.get(fp) is None and d.stats["corrupt"] == 1
-    assert not d.contains(fp)  # dropped from the index
+    assert not d.has_blocking(fp)  # dropped from the index
     assert d.get(fp2) == data2
     d.put(fp, data)  # refetched bytes are appended and served
     assert d.get(fp) == data
@@ -137,7 +137,7 @@ def test_read_into_reads_back_to_back_chunks_with_one_call(tmp_path, monkeypatch
     ok, bufs = read(range(8))
     assert ok == [True] * 3 + [False] + [True] * 4 and calls == [8]
     assert [bytes(b) for k, b in enumerate(bufs) if k != 3] == [d for k, (_, d) in enumerate(items[:8]) if k != 3]
-    assert c.stats["corrupt"] == 1 and not c.contains(items[3][0])
+    assert c.stats["corrupt"] == 1 and not c.has_blocking(items[3][0])
     c.close()
 
 
@@ -178,7 +178,7 @@ def test_size_bound_evicts_oldest_segments(tmp_path):
     # The newest chunks are kept, the oldest were evicted whole segments at a time.
     assert c.get(items[-1][0]) == items[-1][1]
     assert c.get(items[0][0]) is None
-    kept = [i for i, (fp, _) in enumerate(items) if c.contains(fp)]
+    kept = [i for i, (fp, _) in enumerate(items) if c.has_blocking(fp)]
     assert kept == list(range(kept[0], len(items))) and len(kept) >= 40
     assert c.stats["evicted_segments"] > 0
     c.close()
@@ -301,7 +301,7 @@ def test_the_disk_bounds_the_cache_and_keeps_its_reserve_free(small_fs, caplog, 
     # No write failed: the oldest segments made room first.
     assert c.stats["write_pauses"] == 0 and c.stats["evicted_segments"] > 0
     assert c.get(items[-1][0]) == items[-1][1] and c.get(items[0][0]) is None
-    kept = [i for i, (fp, _) in enumerate(items) if c.contains(fp)]
+    kept = [i for i, (fp, _) in enumerate(items) if c.has_blocking(fp)]
     assert kept == list(range(kept[0], len(items))) and len(kept) >= 16
 
     # Another program fills the disk after a segment was started: the write
@@ -352,7 +352,7 @@ def test_slots_of_fetches_under_way_are_counted_against_the_disk(small_fs):
         order = list(range(len(batch)))
         rng.shuffle(order)
         for k in order:
-            c.put(*batch[k], slots[k])
+            slots[k].write(*batch[k])
             assert free_bytes(small_fs) >= reserve - RECORD.size * 16, landed + k
         landed += len(batch)
     assert c.stats["write_pauses"] == 0 and c.stats["evicted_segments"] > 0
@@ -421,7 +421,7 @@ def test_reserved_slots_lay_chunks_out_in_the_order_fetches_started(tmp_path):
     c = ChunkCache(str(tmp_path), 1 << 30)
     slots = [c.reserve() for _ in items]
     assert all(slots) and files(tmp_path, ".seg") == []
-    threads = [threading.Thread(target=c.put, args=(fp, data, slot))
+    threads = [threading.Thread(target=slot.write, args=(fp, data))
                for (fp, data), slot in reversed(list(zip(items, slots)))]
     for t in threads:
         t.start()
@@ -451,13 +451,13 @@ def test_slots_given_back_fetches_that_failed_and_segments_that_fill(tmp_path, m
     items = chunks(40, seed=23)
     fps = [fp for fp, _ in items]
     slots = [c.reserve() for _ in items]
-    c.release(slots[5])
-    c.release(slots[5])  # idempotent
+    slots[5].abandon()
+    slots[5].abandon()  # idempotent
     for k in reversed(range(40)):
         if k != 5:
-            c.put(*items[k], slots[k])
+            slots[k].write(*items[k])
     assert c.stats["unused_slots"] == 1 and len(files(tmp_path, ".seg")) == 3
-    assert c.get(fps[5]) is None and not c.has(fps[5])
+    assert c.get(fps[5]) is None and not c.has_indexed(fps[5])
 
     def body(a, b):
         return b"".join(d for _, d in items[a:b])
@@ -466,7 +466,7 @@ def test_slots_given_back_fetches_that_failed_and_segments_that_fill(tmp_path, m
     assert segments(tmp_path) == [body(0, 5) + hole + body(6, 16), body(16, 32), body(32, 40)]
     # The last slot given back: the segment ends where it did.
     before = c.describe()["bytes"]
-    c.release(c.reserve())
+    c.reserve().abandon()
     assert c.describe()["bytes"] == before
     # A slot whose segment another process evicts before the bytes come:
     # the chunk is appended to a new segment instead.
@@ -477,8 +477,8 @@ def test_slots_given_back_fetches_that_failed_and_segments_that_fill(tmp_path, m
     assert len(files(tmp_path, ".seg")) == 1
     monkeypatch.setattr(cache_mod, "RESCAN_INTERVAL_S", 0.0)
     assert c.get(chunks(1, seed=25)[0][0]) is None  # a miss: c rescans ...
-    assert not c.has(fps[0])  # ... and drops its segments, gone
-    c.put(*late[0], slot)
+    assert not c.has_indexed(fps[0])  # ... and drops its segments, gone
+    slot.write(*late[0])
     assert c.get(late[0][0]) == late[0][1] and c.get(late[1][0]) == late[1][1]
     assert len(files(tmp_path, ".seg")) == 2
     other.close()
@@ -493,7 +493,7 @@ def test_a_damaged_chunk_in_a_run_is_dropped_alone(tmp_path):
     fps = [fp for fp, _ in items]
     c = ChunkCache(str(tmp_path), 1 << 30)
     for fp, data in items:
-        c.put(fp, data, c.reserve())
+        c.reserve().write(fp, data)
     seg = os.path.join(segdir(tmp_path), files(tmp_path, ".seg")[0])
     with open(seg, "r+b") as f:  # another writer than the cache: a bad disk, a stray tool
         f.seek(2 * CHUNK_SIZE + 5)
@@ -503,5 +503,5 @@ def test_a_damaged_chunk_in_a_run_is_dropped_alone(tmp_path):
     bufs = [bytearray(CHUNK_SIZE) for _ in items]
     assert c.read_into(fps, [memoryview(b) for b in bufs]) == [True, True, False, True, True, True]
     assert [bytes(b) for k, b in enumerate(bufs) if k != 2] == [d for k, (_, d) in enumerate(items) if k != 2]
-    assert c.stats["corrupt"] == 1 and not c.has(fps[2])
+    assert c.stats["corrupt"] == 1 and not c.has_indexed(fps[2])
     c.close()

@@ -144,7 +144,7 @@ def test_disk_cache_is_verified_and_shared(chunks, tmp_path):
     async def get_and_wait():
         await f.get(fps[0])
         with trio.fail_after(10):  # the cache write runs in the background
-            while not f.cache.contains(fps[0]):
+            while not f.cache.has_blocking(fps[0]):
                 await trio.sleep(0.01)
 
     run(f, get_and_wait)
@@ -207,7 +207,7 @@ def test_hydrate(chunks, tmp_path):
     async def go():
         n = await f.hydrate(fps)
         with trio.fail_after(10):  # the cache writes run in the background
-            while not all(f.cache.contains(fp) for fp in fps):
+            while not all(f.cache.has_blocking(fp) for fp in fps):
                 await trio.sleep(0.01)
         return n
 
@@ -319,3 +319,101 @@ def test_prefetched_chunks_land_in_the_order_fetches_started(chunks, tmp_path):
     run(f, read_back)
     assert [bytes(b) for b in bufs] == [pub.chunks[fp] for fp in wanted]
     assert len(store.chunks.gets) == gets
+
+
+def test_engine_path_batches_gets_without_a_task_per_chunk(s3_store, tmp_path):
+    """On a store with an HTTP engine (S3), flights are queued and sent to
+    the engine in batches, their answers handed back to trio in batches: no
+    task per chunk. Bytes are verified, land in the disk cache in order, a
+    missing chunk is retried (in a task) and then fails, never wrong bytes."""
+    data = os.urandom(65536 * 40)
+    pub = publish(s3_store, data, "/db/engine.db")
+    fps = [fp for i, fp in enumerate(pub.manifest.chunks) if i > 0]
+    cache = ChunkCache(str(tmp_path / "c"), 1 << 26)
+    f = Fetcher(s3_store, cache, concurrency=8, prefetch_concurrency=6, retries=1, backoff=0.01)
+    assert f._get_batch is not None
+    spawned = []
+
+    async def go():
+        real = f._nursery.start_soon
+        f._nursery.start_soon = lambda fn, *a: spawned.append(fn.__name__) or real(fn, *a)
+        assert f.prefetch(fps[:20]) == 20
+        assert len(f._queued_prefetch) == 14  # 6 prefetch slots: 6 sent at once, the rest queued
+        bufs = [bytearray(len(pub.chunks[fp])) for fp in fps]
+        await f.read_into(fps, [memoryview(b) for b in bufs])
+        return bufs
+
+    bufs = run(f, go)
+    assert [bytes(b) for b in bufs] == [pub.chunks[fp] for fp in fps]
+    assert f.stats["gets"] == len(fps) and f.stats["store_fetches"] == len(fps) and f.stats["failed"] == 0
+    assert "_fly" not in spawned and f.stats["prefetch_hits"] > 0
+    assert not f._inflight and not f._queued_demand and not f._queued_prefetch
+    # A chunk the store lost: one retry (in a task), then an error; its
+    # neighbours are served.
+    s3_store.chunks.delete(fps[0].name)
+    g = Fetcher(s3_store, None, concurrency=8, retries=1, backoff=0.01)
+
+    async def lost():
+        with pytest.raises(FetchError):
+            await g.read_into(fps[:3], [memoryview(bytearray(len(pub.chunks[fp]))) for fp in fps[:3]])
+        return await g.get(fps[1])
+
+    assert run(g, lost) == pub.chunks[fps[1]]
+    assert g.stats["failed"] == 1 and g.stats["retries"] == 1 and g.stats["get_errors"] == 2
+
+
+def test_engine_path_demand_joins_a_queued_prefetch(s3_store):
+    """A demand read of a chunk whose prefetch still waits for a prefetch
+    slot promotes it: sent at once, once, with the demand."""
+    data = os.urandom(65536 * 12)
+    pub = publish(s3_store, data, "/db/promote.db")
+    fps = [fp for i, fp in enumerate(pub.manifest.chunks) if i > 0]
+    f = Fetcher(s3_store, None, concurrency=4, prefetch_concurrency=2)
+
+    async def go():
+        f.prefetch(fps)
+        assert len(f._queued_prefetch) == len(fps) - 2
+        # The last prefetches, queued, joined by demand reads (with a new chunk).
+        bufs = [bytearray(len(pub.chunks[fp])) for fp in fps[-3:]]
+        await f.read_into(fps[-3:], [memoryview(b) for b in bufs])
+        assert [bytes(b) for b in bufs] == [pub.chunks[fp] for fp in fps[-3:]]
+        for fp in fps:
+            assert await f.get(fp) == pub.chunks[fp]
+
+    run(f, go)
+    assert f.stats["gets"] == len(fps) and f.stats["prefetch_hits"] >= 3
+
+
+class SilentEngine:
+    """A chunks backend with an engine path that takes every GET and never
+    answers (a store that holds every connection)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.sent: list[str] = []
+
+    def get_async_batch(self, items, max_bytes, flush=None):
+        self.sent.extend(key for key, _timeout, _done in items)
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_engine_path_queued_demand_fails_at_its_deadline(chunks):
+    """A demand read queued behind GETs that never answer fails with an
+    error at its deadline, never waits longer; nothing is sent for it."""
+    store, fps, pub = chunks
+    store.chunks = SilentEngine(store.chunks.inner)
+    f = Fetcher(store, None, concurrency=1, deadline=0.3)
+
+    async def go():
+        f.prefetch(fps[:1])  # holds the only GET slot, forever
+        start = trio.current_time()
+        with pytest.raises(FetchError, match="deadline"):
+            await f.get(fps[1])
+        return trio.current_time() - start
+
+    took = run(f, go)
+    assert 0.25 <= took < 2 and store.chunks.sent == [fps[0].name]
+    assert f.stats["failed"] == 1 and not f._queued_demand and fps[1] not in f._inflight

@@ -1,28 +1,23 @@
-"""Pacing and resilience helpers for copiers: a token bucket, bounded retries
-with jittered exponential backoff, and a bounded LRU of recent uploads.
+"""Pacing helpers for copiers: a token bucket and a bounded LRU of recent
+uploads. Retries (`Backoff`, `retry`, `Stopped`) are the store's
+(`verneuil_fuse.store.retry`), named here too for the copier's callers.
 
-All three are thread-safe: one copier shares them among its worker threads.
+All are thread-safe: one copier shares them among its worker threads.
 """
 from __future__ import annotations
 
 import collections
-import logging
-import random
 import threading
 import time
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Optional
 
-log = logging.getLogger(__name__)
+from verneuil_fuse.store.retry import Backoff, Stopped, retry
 
-T = TypeVar("T")
+__all__ = ["DEFAULT_BURST", "DEFAULT_RATE", "Backoff", "RecentSet", "Stopped", "TokenBucket", "retry"]
 
 # Verneuil's copier pacing: 30 requests per second, bursts of 100.
 DEFAULT_RATE = 30.0
 DEFAULT_BURST = 100
-
-
-class Stopped(Exception):
-    """The copier was asked to stop while waiting (for a token or a retry)."""
 
 
 class TokenBucket:
@@ -72,46 +67,6 @@ class TokenBucket:
                     raise Stopped()
             else:
                 time.sleep(wait)
-
-
-class Backoff:
-    """Jittered exponential backoff: attempt k waits a uniform random time in
-    [0, min(cap, base * 2**k)] ("full jitter")."""
-
-    def __init__(self, base: float = 0.05, cap: float = 2.0, attempts: int = 6):
-        self.base = base
-        self.cap = cap
-        self.attempts = attempts
-
-    def delay(self, attempt: int) -> float:
-        return random.uniform(0, min(self.cap, self.base * (2 ** attempt)))
-
-
-def retry(fn: Callable[[], T], *, transient: tuple, backoff: Backoff,
-          stop: Optional[threading.Event] = None, what: str = "request",
-          deadline: Optional[float] = None) -> T:
-    """Call `fn`; on an exception in `transient`, retry up to
-    `backoff.attempts` times in all, sleeping a jittered exponential delay in
-    between; the last failure propagates, also as soon as the next attempt
-    would start after `deadline` (a time.monotonic() value).  A stop request
-    ends the wait by raising Stopped."""
-    attempt = 0
-    while True:
-        try:
-            return fn()
-        except transient as e:
-            attempt += 1
-            if attempt >= backoff.attempts:
-                raise
-            delay = backoff.delay(attempt)
-            if deadline is not None and time.monotonic() + delay > deadline:
-                raise
-            log.debug("%s failed (%s); retry %d in %.3fs", what, e, attempt, delay)
-            if stop is not None:
-                if stop.wait(delay):
-                    raise Stopped() from e
-            else:
-                time.sleep(delay)
 
 
 class RecentSet:

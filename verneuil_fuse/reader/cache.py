@@ -15,9 +15,9 @@ at the disk's sequential speed. One file per chunk costs an open and a
 metadata lookup per 64 KiB and measured 4-5 times slower.
 
 Chunks land in the order their fetches *started*, not the order they arrived:
-the fetcher takes a `_Slot` (the next 64 KiB of the segment being written)
-when it starts a fetch, in the trio thread, and the bytes go there when they
-come. Fetches started for a sequential read are in file order, so a later
+the fetcher takes a `CacheSlot` (the next 64 KiB of the segment being
+written) when it starts a fetch, in the trio thread, and the bytes go there
+when they come (`CacheSlot.write`). Fetches started for a sequential read are in file order, so a later
 sequential read finds them in file order in the segment too, and the kernel
 reads them ahead as one run (`read_into` coalesces a request's chunks into
 one system call). A slot left unused (the fetch failed) is a hole.
@@ -50,8 +50,12 @@ refuses anyway (another program filled it, a quota) pauses writes to the cache
 for `WRITE_PAUSE_S` with one warning: reads go on from the store, a full disk
 costs neither errors nor a log line per chunk.
 
-Everything here blocks: the fetcher calls it from worker threads. All
-methods are thread-safe.
+What the fetcher uses: from the trio thread, the calls that never wait on
+the disk (`has_indexed`, `might_have`, `get_nowait`, ``read_into(...,
+nowait=True)``, `reserve`, `CacheSlot.abandon`); from worker threads (or the
+HTTP engine's), those that may (`get`, `has_blocking`, `read_into`,
+`advise`, `put`, `CacheSlot.write`); `describe` and `capacity` for its
+stats. All methods are thread-safe.
 """
 from __future__ import annotations
 
@@ -156,15 +160,43 @@ class _Segment:
         return self.data_bytes - self.holes + self.idx_bytes
 
 
-class _Slot:
-    """Room for one chunk in a segment of ours, taken before its bytes exist
-    (`ChunkCache.reserve`); its segment is None once used or given back."""
+@dataclass(slots=True, eq=False)
+class _Run:
+    """Chunks back to back in one segment, read with one ``preadv``."""
 
-    __slots__ = ("seg", "off")
+    seg: _Segment
+    fd: int
+    off: int  # where the run starts in the segment
+    length: int  # bytes
+    ks: list[int]  # positions of its chunks in the request, in segment order
 
-    def __init__(self, seg: _Segment, off: int):
-        self.seg: _Segment | None = seg
-        self.off = off
+
+class CacheSlot:
+    """Room for one chunk in a segment of ours, taken when its fetch starts,
+    before its bytes exist (`ChunkCache.reserve`). It ends with one of
+    `write` (the chunk's bytes go there) or `abandon` (the room is given
+    back); whichever comes second does nothing, so a holder may abandon in
+    a ``finally`` a slot it may have written."""
+
+    __slots__ = ("_cache", "_seg", "_off")
+
+    def __init__(self, cache: ChunkCache, seg: _Segment, off: int):
+        self._cache = cache
+        self._seg: _Segment | None = seg  # None once written or given back
+        self._off = off
+
+    def write(self, fp: Fprint, data: bytes) -> None:
+        """Store a chunk whose bytes were verified against ``fp`` in this
+        slot (blocking I/O: a worker thread's or the HTTP engine's). When
+        the slot's segment went meanwhile, the chunk is appended like a
+        `ChunkCache.put`."""
+        self._cache._store(fp, data, self)
+
+    def abandon(self) -> None:
+        """Give the room back (the fetch failed, or found the chunk cached):
+        a hole in the segment, or its end again if it was the last slot."""
+        if self._seg is not None:
+            self._cache._abandon(self)
 
 
 class ChunkCache:
@@ -260,79 +292,100 @@ class ChunkCache:
         may call it; a chunk that would block is left for a blocking call
         from a worker thread. Never rescans the directory."""
         ok = [False] * len(fps)
-        # Runs of chunks back to back in one segment: [seg, fd, offset, bytes, [k...]].
-        runs: list[list] = []
         with self._lock:
-            index = self._index
-            found: list[tuple[str, int, int, int, _Segment]] = []  # sorts without comparing segments
-            for k, fp in enumerate(fps):
-                loc = index.get(fp)
-                if loc is None or loc[2] != len(dests[k]):
-                    continue
-                seg, off, length = loc
-                if seg.fd < 0:
-                    if nowait:
-                        continue
-                    try:
-                        self._read_fd_locked(seg)
-                    except OSError as e:
-                        log.warning("cache segment %s is unreadable (%s): dropping it", seg.name, e)
-                        self._drop_locked(seg)
-                        continue
-                found.append((seg.name, off, k, length, seg))
-            # In segment order, not in the order asked: parallel fetches store
-            # a scan's chunks close together but shuffled (a warm scan of a
-            # 475 MiB replica read 1954 runs this way instead of 6961).
-            found.sort()
-            last: list | None = None
-            for _, off, k, length, seg in found:
-                if last is not None and last[0] is seg and last[2] + last[3] == off:
-                    last[3] += length
-                    last[4].append(k)
-                else:
-                    seg.readers += 1
-                    last = [seg, seg.fd, off, length, [k]]
-                    runs.append(last)
-        flags = os.RWF_NOWAIT if nowait else 0
-        damaged: list[tuple[int, _Segment]] = []  # blocking reads only
+            runs = self._runs_locked(fps, dests, nowait)
         hits = 0
+        damaged: list[tuple[int, _Segment]] = []  # blocking reads only
         try:
-            for seg, fd, off, total, ks in runs:
-                try:
-                    got = os.preadv(fd, [dests[k] for k in ks], off, flags)
-                except OSError as e:  # EAGAIN (would block), EOPNOTSUPP, EIO ...
-                    if not nowait:
-                        log.warning("cannot read %d bytes at %d of cache segment %s: %s", total, off, seg.name, e)
-                    got = 0
-                pos = off
-                for k in ks:
-                    pos += len(dests[k])
-                    if pos > off + got:
-                        break  # a short read: not in the page cache (nowait), or torn
-                    if fingerprint(dests[k]) == fps[k]:
-                        ok[k] = True
-                        hits += 1
+            for run in runs:
+                hits += self._read_run(run, fps, dests, nowait, ok)
                 if not nowait:
-                    damaged.extend((k, seg) for k in ks if not ok[k])
+                    damaged.extend((k, run.seg) for k in run.ks if not ok[k])
         finally:
             with self._lock:
                 for run in runs:
-                    self._release_locked(run[0])
+                    self._release_locked(run.seg)
                 self.stats["hits"] += hits
                 if not nowait:
-                    self.stats["misses"] += len(damaged)
-                    self.stats["corrupt"] += len(damaged)
-                    for k, seg in damaged:
-                        fp = fps[k]
-                        log.warning("dropping damaged cache entry for chunk %016x/%016x (segment %s)",
-                                    fp.major, fp.minor, seg.name)
-                        loc = self._index.get(fp)
-                        if loc is not None and loc[0] is seg:
-                            del self._index[fp]
+                    self._drop_damaged_locked(fps, damaged)
         return ok
 
-    def has(self, fp: Fprint) -> bool:
-        """Whether the index names this chunk (in memory: no I/O, no rescan)."""
+    def _runs_locked(self, fps: list[Fprint], dests: list[memoryview], nowait: bool) -> list[_Run]:
+        """The indexed chunks of ``fps`` (of the length of their ``dests``)
+        grouped into runs back to back in one segment, each segment pinned
+        (`_release_locked` once read)."""
+        index = self._index
+        found: list[tuple[str, int, int, int, _Segment]] = []  # sorts without comparing segments
+        for k, fp in enumerate(fps):
+            loc = index.get(fp)
+            if loc is None or loc[2] != len(dests[k]):
+                continue
+            seg, off, length = loc
+            if seg.fd < 0:
+                if nowait:
+                    continue
+                try:
+                    self._read_fd_locked(seg)
+                except OSError as e:
+                    log.warning("cache segment %s is unreadable (%s): dropping it", seg.name, e)
+                    self._drop_locked(seg)
+                    continue
+            found.append((seg.name, off, k, length, seg))
+        # In segment order, not in the order asked: parallel fetches store
+        # a scan's chunks close together but shuffled (a warm scan of a
+        # 475 MiB replica read 1954 runs this way instead of 6961).
+        found.sort()
+        runs: list[_Run] = []
+        last: _Run | None = None
+        for _, off, k, length, seg in found:
+            if last is not None and last.seg is seg and last.off + last.length == off:
+                last.length += length
+                last.ks.append(k)
+            else:
+                seg.readers += 1
+                last = _Run(seg, seg.fd, off, length, [k])
+                runs.append(last)
+        return runs
+
+    @staticmethod
+    def _read_run(run: _Run, fps: list[Fprint], dests: list[memoryview], nowait: bool, ok: list[bool]) -> int:
+        """One ``preadv`` of a run into its chunks' destinations; sets
+        ``ok[k]`` for each chunk read whole that matches its fingerprint.
+        Returns how many did."""
+        flags = os.RWF_NOWAIT if nowait else 0
+        try:
+            got = os.preadv(run.fd, [dests[k] for k in run.ks], run.off, flags)
+        except OSError as e:  # EAGAIN (would block), EOPNOTSUPP, EIO ...
+            if not nowait:
+                log.warning("cannot read %d bytes at %d of cache segment %s: %s", run.length, run.off, run.seg.name, e)
+            got = 0
+        hits = 0
+        pos = run.off
+        for k in run.ks:
+            pos += len(dests[k])
+            if pos > run.off + got:
+                break  # a short read: not in the page cache (nowait), or torn
+            if fingerprint(dests[k]) == fps[k]:
+                ok[k] = True
+                hits += 1
+        return hits
+
+    def _drop_damaged_locked(self, fps: list[Fprint], damaged: list[tuple[int, _Segment]]) -> None:
+        """Count as misses, and drop from the index, the chunks of a blocking
+        read that did not come back whole and verified."""
+        self.stats["misses"] += len(damaged)
+        self.stats["corrupt"] += len(damaged)
+        for k, seg in damaged:
+            fp = fps[k]
+            log.warning("dropping damaged cache entry for chunk %016x/%016x (segment %s)", fp.major, fp.minor, seg.name)
+            loc = self._index.get(fp)
+            if loc is not None and loc[0] is seg:
+                del self._index[fp]
+
+    def has_indexed(self, fp: Fprint) -> bool:
+        """Whether the index names this chunk now: in memory, no lock, no
+        I/O, so the trio thread may ask; chunks other processes stored since
+        the last rescan are not seen (`has_blocking` looks for them)."""
         return fp in self._index
 
     def advise(self, fps) -> int:
@@ -373,25 +426,30 @@ class ChunkCache:
         return advised
 
     def might_have(self, fp: Fprint) -> bool:
-        """False when `get` and `contains` would surely say no: the index
+        """False when `get` and `has_blocking` would surely say no: the index
         lacks the chunk and is not due for a rescan (no I/O, no lock), so a
         caller can skip a thread hop for a chunk it must fetch anyway."""
         return fp in self._index or self._rescan_due()
 
-    def contains(self, fp: Fprint) -> bool:
+    def has_blocking(self, fp: Fprint) -> bool:
+        """Whether the chunk is cached, by this process or another sharing
+        the directory: a miss in the index rescans the directory when a
+        rescan is due (`RESCAN_INTERVAL_S`), so this may block on the disk
+        (a worker thread's call). Unlike `get`, reads no chunk bytes."""
         with self._lock:
             if fp not in self._index and self._rescan_due():
                 self._rescan_locked()
             return fp in self._index
 
     # ---------------------------------------------------------------- writes
-    def reserve(self) -> _Slot | None:
+    def reserve(self) -> CacheSlot | None:
         """Room for one chunk at the end of the segment being written, for
-        a chunk whose fetch starts now (see the module's docstring): `put`
-        writes it there, or `release` gives it back. No I/O, so the trio
+        a chunk whose fetch starts now (see the module's docstring): its
+        `CacheSlot.write` stores the chunk there, or `CacheSlot.abandon`
+        gives it back. No I/O, so the trio
         thread may call it: a new segment is only named here, its files are
         made at its first write. None while writes are paused (the chunk is
-        then offered to `put` without a slot)."""
+        then offered to `put`)."""
         with self._lock:
             if self._closed or (self._paused_until and time.monotonic() < self._paused_until):
                 return None
@@ -401,29 +459,26 @@ class ChunkCache:
                 seg = None
             if seg is None:
                 seg = self._active = self._new_locked()
-            slot = _Slot(seg, seg.data_bytes)
+            slot = CacheSlot(self, seg, seg.data_bytes)
             seg.data_bytes += CHUNK_SIZE
             seg.pending += CHUNK_SIZE
             seg.readers += 1  # keeps the descriptors open until the write
             return slot
 
-    def release(self, slot: _Slot | None) -> None:
-        """Give back a slot `put` did not get (the fetch failed or found the
-        chunk cached). Idempotent."""
-        if slot is not None and slot.seg is not None:
-            with self._lock:
-                self._free_slot_locked(slot, 0)
+    def _abandon(self, slot: CacheSlot) -> None:
+        with self._lock:
+            self._free_slot_locked(slot, 0)
 
-    def _free_slot_locked(self, slot: _Slot, used: int) -> _Segment | None:
+    def _free_slot_locked(self, slot: CacheSlot, used: int) -> _Segment | None:
         """Take ``slot`` back from its holder, keeping ``used`` bytes of it;
         returns its segment still pinned when it can take them, else None.
         The end of the segment, if the slot is its last, shrinks to fit."""
-        seg, slot.seg = slot.seg, None
+        seg, slot._seg = slot._seg, None
         if seg is None:
             return None
         seg.pending -= CHUNK_SIZE
-        if seg.data_bytes == slot.off + CHUNK_SIZE:
-            seg.data_bytes = slot.off + used
+        if seg.data_bytes == slot._off + CHUNK_SIZE:
+            seg.data_bytes = slot._off + used
         else:  # a hole in the file, which takes no disk blocks
             seg.holes += CHUNK_SIZE - used
         if not used:
@@ -433,13 +488,18 @@ class ChunkCache:
         self._release_locked(seg)
         return None
 
-    def put(self, fp: Fprint, data: bytes, slot: _Slot | None = None) -> None:
-        """Store a chunk whose bytes were verified against ``fp``: in its
-        ``slot`` if it has one (`reserve`), else at the end of the segment
-        being written."""
+    def put(self, fp: Fprint, data: bytes) -> None:
+        """Store a chunk whose bytes were verified against ``fp`` at the end
+        of the segment being written (a chunk with a slot: `CacheSlot.write`)."""
+        self._store(fp, data, None)
+
+    def _store(self, fp: Fprint, data: bytes, slot: CacheSlot | None) -> None:
+        """Store a verified chunk in its ``slot`` if it has one, else at the
+        end of the segment being written."""
         length = len(data)
         if not 0 < length <= min(CHUNK_SIZE, self.segment_bytes):
-            self.release(slot)
+            if slot is not None:
+                slot.abandon()
             return
         with self._lock:
             if self._closed or fp in self._index:
@@ -458,7 +518,7 @@ class ChunkCache:
             # it went meanwhile: then the chunk is appended like any other.
             seg = self._free_slot_locked(slot, length) if slot is not None else None
             if seg is not None:
-                off = slot.off
+                off = slot._off
             else:
                 seg = self._active
                 if seg is not None and (seg.dead or seg.data_bytes + length > self.segment_bytes

@@ -26,6 +26,16 @@ segment (`read_into`).
 Prefetches use the same flights, but wait for one of a smaller number of
 prefetch slots, so demand reads always find store capacity; a demand read
 that joins a prefetch still waiting for its slot promotes it at once.
+
+Two ways a flight runs. On a store with an HTTP engine (S3, `store/curl.py`)
+a GET costs the trio thread no task and no Event: flights queue for their
+slots (`_pump`), go to the engine many per submission, are decoded, verified
+and written to the disk cache on the engine's thread, and come back to
+`_engine_done` in batches (one wake-up of trio for every answer that
+arrived meanwhile); a read request waits for all its chunks on one Event
+(`_Waiter`). Anything else runs in a task (`_fly`): a chunk the disk cache
+may hold, a directory store's GETs in threads, hydration, and the retries
+of a GET that failed on the engine.
 """
 from __future__ import annotations
 
@@ -33,13 +43,12 @@ import functools
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
 import trio
 
-from verneuil_fuse.reader.cache import ChunkCache, MemoryLRU
 from verneuil_fuse.format import (
     DEFAULT_MAX_DB_SIZE,
     MAX_CHUNK_BLOB_BYTES,
@@ -52,7 +61,9 @@ from verneuil_fuse.format import (
     decode_chunk,
     manifest_blob_limit,
 )
-from verneuil_fuse.store import NotFound, StoreError, TooLarge, TransientError
+from verneuil_fuse.reader.cache import CacheSlot, ChunkCache, MemoryLRU
+from verneuil_fuse.store import NotFound, StoreError, TooLarge
+from verneuil_fuse.store.retry import Backoff, retry, retry_async
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +79,51 @@ DEFAULT_CONCURRENCY = 64
 HYDRATE_BLOCK = 16
 
 _RESERVE = object()  # `Fetcher._start`: take the chunk's place in the disk cache now
+
+# Disk cache reads that may block (not in the page cache) and writes at
+# once: enough to keep a local disk's queue busy on 2 cores.
+CACHE_THREADS = 8
+# Blocking metadata calls at once (listings, manifest GETs and decodes):
+# a poll or a few lookups, not a scan's worth.
+META_THREADS = 4
+# Retries of a GET wait ``backoff`` seconds, then twice as long ... (no
+# jitter: a read waits for them, and the deadline bounds them) ...
+DEFAULT_BACKOFF = 0.05
+# ... but never more than this between two attempts.
+BACKOFF_CAP = 2.0
+DEFAULT_RETRIES = 4
+# Prefetches under way at once, waiting for a slot included: past this, a
+# hint is dropped (the readahead asks again at the next read).
+DEFAULT_MAX_PREFETCH_FLIGHTS = 512
+# The in-memory LRU of chunks (`MemoryLRU`): 64 MiB, a thousand chunks.
+DEFAULT_MEM_CACHE_BYTES = 64 << 20
+
+# The fetcher's counters (`Fetcher.stats`, /.verneuil/stats).
+STAT_NAMES = (
+    "requests",  # demand chunk requests
+    "mem_hits",
+    "disk_hits",
+    "joins",  # demand requests that joined a flight under way
+    "store_fetches",  # chunks downloaded (demand + prefetch)
+    "gets",  # GET requests sent, retries included
+    "get_bytes",
+    "get_errors",
+    "retries",
+    "corrupt",  # blobs that failed verification
+    "failed",  # chunks given up on (EIO)
+    "prefetch_requested",
+    "prefetch_started",
+    "prefetch_skipped",  # in memory or under way
+    "prefetch_advised",  # in the disk cache: kernel readahead asked
+    "disk_hits_inline",  # served from the page cache without a thread
+    "prefetch_dropped",  # too many prefetches under way
+    "prefetch_fetched",  # downloaded by a prefetch
+    "prefetch_hits",  # demand served by a prefetched chunk
+    "manifest_gets",
+    "lists",
+    "too_large",  # objects larger than their bound, never read
+    "failed_fast",  # demand reads answered from a recent give-up
+)
 
 # A chunk fetched for a read stays in memory at least this long and among the
 # last `HOLD_CHUNKS` so fetched, whatever `mem_cache` says: the kernel may
@@ -86,6 +142,9 @@ DEFAULT_DEADLINE = 30.0
 # Default time limit of one GET attempt: a third of the deadline, so that a
 # request lost in a black hole still leaves time for two more attempts.
 DEFAULT_ATTEMPT_TIMEOUT = 10.0
+# The shortest time limit given to a GET sent with little of its deadline
+# left: enough for one round trip to a store far away.
+MIN_ATTEMPT_TIMEOUT = 0.5
 # A chunk given up on fails again at once for this long: the kernel retries a
 # failed read straight away (its readahead, then the page itself), which
 # would otherwise wait a second deadline; a read a few seconds later tries
@@ -93,22 +152,82 @@ DEFAULT_ATTEMPT_TIMEOUT = 10.0
 FAILED_CHUNK_TTL = 5.0
 
 
+# What one GET attempt may fail with (`Fetcher._get_once`).
+_GET_FAILURES = (ChunkError, StoreError, OSError)
+
+
+def _worth_retrying(error: BaseException) -> bool:
+    """A failed GET worth another attempt: the transport, a store's answer
+    (a 404 included: a chunk listed by a manifest just written may be on its
+    way), a blob that failed verification; not an object over its size
+    bound, which is the same object next time."""
+    return isinstance(error, _GET_FAILURES) and not isinstance(error, TooLarge)
+
+
+def _get_and_decode(backend: Any, name: str, fp: Fprint) -> tuple[int, bytes]:
+    """GET and verify one chunk in a worker thread: (blob size, bytes)."""
+    blob = backend.get(name, max_bytes=MAX_CHUNK_BLOB_BYTES)
+    return len(blob), decode_chunk(blob, fp)
+
+
+def _store_chunk(cache: ChunkCache, fp: Fprint, data: bytes, slot: CacheSlot | None) -> None:
+    """Write a verified chunk to the disk cache, in its slot if it has one
+    (blocking: a worker thread's or the HTTP engine's call). A cache that
+    cannot be written is not fatal: logged, the slot given back."""
+    try:
+        if slot is not None:
+            slot.write(fp, data)
+        else:
+            cache.put(fp, data)
+    except Exception:  # noqa: BLE001 - reads go on from the store
+        log.exception("cannot write chunk %s to the cache", chunk_name(fp))
+    finally:
+        if slot is not None:
+            slot.abandon()  # if `write` failed
+
+
 class FetchError(Exception):
     """A chunk could not be obtained (after retries, or before the deadline):
     the read must fail."""
 
 
-class _Flight:
-    __slots__ = ("event", "data", "error", "prefetch", "wait_scope", "promoted", "slot")
+# Where a flight is (`_Flight.state`).
+_QUEUED = "queued"  # waiting for a GET slot, to go to the store's HTTP engine (`Fetcher._pump`)
+_ENGINE = "engine"  # its GET is on the engine; its answer comes to `Fetcher._engine_done`
+_TASK = "task"  # a trio task runs it (`Fetcher._fly`): disk cache, threads, retries, hydration
+_DONE = "done"
 
-    def __init__(self, prefetch: bool, slot: Any = None):
-        self.event = trio.Event()
+
+class _Flight:
+    """One chunk's fetch, shared by every read of it (single-flight). Its
+    waiters are `_Waiter` objects, one per read request however many of its
+    chunks it waits for, told when the flight is done (`Fetcher._finish`)."""
+
+    __slots__ = ("fp", "state", "data", "error", "prefetch", "promoted", "slot", "waiters", "wait_scope",
+                 "deadline", "holds_prefetch_slot")
+
+    def __init__(self, fp: Fprint, prefetch: bool, slot: CacheSlot | None = None):
+        self.fp = fp
+        self.state = _TASK
         self.slot = slot  # where the disk cache will put the bytes (`ChunkCache.reserve`)
         self.data: bytes | None = None
         self.error: BaseException | None = None
         self.prefetch = prefetch
-        self.wait_scope: trio.CancelScope | None = None
-        self.promoted = False
+        self.promoted = False  # a prefetch a demand read joined
+        self.waiters: list[_Waiter] | None = None
+        self.wait_scope: trio.CancelScope | None = None  # a task's wait for a prefetch slot
+        self.deadline = 0.0  # trio time; set when the deadline starts (`Fetcher._download`)
+        self.holds_prefetch_slot = False  # on the engine path
+
+
+class _Waiter:
+    """A read request waiting for ``left`` flights: one trio Event for all."""
+
+    __slots__ = ("left", "event")
+
+    def __init__(self, left: int):
+        self.left = left
+        self.event = trio.Event()
 
 
 @dataclass
@@ -122,6 +241,9 @@ class HydrateProgress:
 
 
 class Fetcher:
+    """Verified chunks for replicas, manifests for the catalog: from memory,
+    the disk cache or the store (see the module's docstring)."""
+
     def __init__(
         self,
         store: Any,
@@ -129,12 +251,12 @@ class Fetcher:
         *,
         concurrency: int = DEFAULT_CONCURRENCY,
         prefetch_concurrency: int | None = None,
-        mem_cache_bytes: int = 64 << 20,
-        retries: int = 4,
+        mem_cache_bytes: int = DEFAULT_MEM_CACHE_BYTES,
+        retries: int = DEFAULT_RETRIES,
         timeout: float = DEFAULT_ATTEMPT_TIMEOUT,
         deadline: float = DEFAULT_DEADLINE,
-        backoff: float = 0.05,
-        max_prefetch_flights: int = 512,
+        backoff: float = DEFAULT_BACKOFF,
+        max_prefetch_flights: int = DEFAULT_MAX_PREFETCH_FLIGHTS,
         max_db_size: int = DEFAULT_MAX_DB_SIZE,
     ):
         self.store = store
@@ -143,19 +265,18 @@ class Fetcher:
         self.retries = retries
         self.timeout = timeout
         self.deadline = deadline
-        self.max_db_size = max_db_size
-        self.manifest_limit = manifest_blob_limit(max_db_size)
-        # Chunks recently fetched for reads: fingerprint -> (expiry, bytes).
-        self._held: OrderedDict[Fprint, tuple[float, bytes]] = OrderedDict()
-        # Chunks given up on: fingerprint -> (trio time, the error).
-        self._failed: dict[Fprint, tuple[float, FetchError]] = {}
-        # Whether the store answers: False from a give-up for want of an
-        # answer until the next GET that succeeds.
-        self.reachable = True
-        self.unreachable_since = 0.0  # time.time()
-        self.last_store_error: str | None = None
         self.backoff = backoff
         self.max_prefetch_flights = max_prefetch_flights
+        self.max_db_size = max_db_size
+        self.manifest_limit = manifest_blob_limit(max_db_size)
+        self._init_limiters(concurrency, prefetch_concurrency)
+        self._init_flights()
+        self._init_health()
+        self._nursery: trio.Nursery | None = None
+        self._writes: trio.Nursery | None = None
+        self.stats: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
+
+    def _init_limiters(self, concurrency: int, prefetch_concurrency: int | None) -> None:
         # Store I/O (GET + decode in one thread hop).
         self.io_limiter = trio.CapacityLimiter(concurrency)
         # Prefetches hold one of these while they fetch: demand keeps the rest.
@@ -164,49 +285,42 @@ class Fetcher:
         self.prefetch_slots = trio.CapacityLimiter(max(1, min(prefetch_concurrency, concurrency)))
         # Threads, counting abandoned (timed-out) ones, so they stay bounded too.
         self.thread_limiter = trio.CapacityLimiter(concurrency * 2)
-        # Disk cache reads that may block (not in the page cache) and writes.
-        # 8: enough to keep a local disk's queue busy on 2 cores.
-        self.cache_limiter = trio.CapacityLimiter(8)
-        self.meta_limiter = trio.CapacityLimiter(4)
+        self.cache_limiter = trio.CapacityLimiter(CACHE_THREADS)
+        self.meta_limiter = trio.CapacityLimiter(META_THREADS)
+
+    def _init_flights(self) -> None:
         self._inflight: dict[Fprint, _Flight] = {}
         self._prefetch_flights = 0
         self._prefetched_unused: set[Fprint] = set()
+        # Chunks recently fetched for reads: fingerprint -> (expiry, bytes).
+        self._held: OrderedDict[Fprint, tuple[float, bytes]] = OrderedDict()
         self._to_advise: list[Fprint] = []  # for `_advise_loop`
         self._advising = False
-        self._to_write: list = []  # (fp, bytes, slot) for `_write_loop`
+        self._to_write: list[tuple[Fprint, bytes, CacheSlot | None]] = []  # for `_write_loop`
         self._writing = False
-        self._arrivals: list[trio.Event] = []  # engine answers for `_set_arrived`
+        self._arrivals: list = []  # engine answers for `_set_arrived`
+        self._handing_over = False  # `_set_arrived` is due in trio
         self._arrivals_lock = threading.Lock()
-        self._nursery: trio.Nursery | None = None
-        self._writes: trio.Nursery | None = None
-        self.stats: dict[str, int] = dict.fromkeys(
-            (
-                "requests",  # demand chunk requests
-                "mem_hits",
-                "disk_hits",
-                "joins",  # demand requests that joined a flight under way
-                "store_fetches",  # chunks downloaded (demand + prefetch)
-                "gets",  # GET requests sent, retries included
-                "get_bytes",
-                "get_errors",
-                "retries",
-                "corrupt",  # blobs that failed verification
-                "failed",  # chunks given up on (EIO)
-                "prefetch_requested",
-                "prefetch_started",
-                "prefetch_skipped",  # in memory or under way
-                "prefetch_advised",  # in the disk cache: kernel readahead asked
-                "disk_hits_inline",  # served from the page cache without a thread
-                "prefetch_dropped",  # too many prefetches under way
-                "prefetch_fetched",  # downloaded by a prefetch
-                "prefetch_hits",  # demand served by a prefetched chunk
-                "manifest_gets",
-                "lists",
-                "too_large",  # objects larger than their bound, never read
-                "failed_fast",  # demand reads answered from a recent give-up
-            ),
-            0,
-        )
+        # The engine path (`_pump`): flights waiting for a GET slot.
+        self._queued_demand: deque[_Flight] = deque()
+        self._queued_prefetch: deque[_Flight] = deque()
+        self._watching = False  # `_watch_queue` runs
+        # Chunk GETs on the store's HTTP engine, many per call
+        # (`S3Backend.get_async_batch`); None: no engine path.
+        self._get_batch: Callable | None = getattr(self.store.chunks, "get_async_batch", None)
+
+    def _init_health(self) -> None:
+        # Chunks given up on: fingerprint -> (trio time, the error).
+        self._failed: dict[Fprint, tuple[float, FetchError]] = {}
+        # Whether the store answers: False from a give-up for want of an
+        # answer until the next GET that succeeds.
+        self.reachable = True
+        self.unreachable_since = 0.0  # time.time()
+        self.last_store_error: str | None = None
+
+    def _retry_schedule(self) -> Backoff:
+        """The waits between a GET's attempts (`store.retry`)."""
+        return Backoff(base=self.backoff, cap=BACKOFF_CAP, attempts=self.retries + 1, jitter=False)
 
     # ------------------------------------------------------------------ setup
     def bind(self, nursery: trio.Nursery, writes: trio.Nursery | None = None) -> None:
@@ -258,14 +372,7 @@ class Fetcher:
     def _store_retrying(self, call: Callable[[], T]) -> T:
         """`call()` (a store request, in a worker thread) with the fetcher's
         retries and backoff for transient failures."""
-        for attempt in range(self.retries + 1):
-            try:
-                return call()
-            except TransientError:
-                if attempt == self.retries:
-                    raise
-                time.sleep(min(self.backoff * (2 ** attempt), 2.0))
-        raise AssertionError("not reached")
+        return retry(call, backoff=self._retry_schedule(), what="store request")
 
     # ------------------------------------------------------------------ reads
     def _memory(self, fp: Fprint) -> bytes | None:
@@ -300,7 +407,7 @@ class Fetcher:
             self.stats["mem_hits"] += 1
             return data
         cache = self.cache
-        if cache is not None and fp not in self._inflight and cache.has(fp):
+        if cache is not None and fp not in self._inflight:
             data = cache.get_nowait(fp)
             if data is not None:
                 self.stats["disk_hits"] += 1
@@ -326,6 +433,18 @@ class Fetcher:
     async def get_waiting(self, fp: Fprint) -> bytes:
         """A demand read for a chunk `get_nowait` did not have: join or start
         its flight (disk cache in a thread, else the store)."""
+        got = self._join(fp)
+        if not isinstance(got, _Flight):
+            return got
+        self._pump()
+        await self._wait([got])
+        return self._result(got)
+
+    def _join(self, fp: Fprint) -> bytes | _Flight:
+        """A demand read's chunk: its bytes if they arrived meanwhile, else
+        its flight, joined (a prefetch's is promoted) or started (not
+        submitted: `_pump`). Raises FetchError for a chunk given up on less
+        than `FAILED_CHUNK_TTL` ago."""
         self.stats["requests"] += 1
         data = self._memory(fp)  # it may have arrived since
         if data is not None:
@@ -336,23 +455,46 @@ class Fetcher:
         if flight is not None:
             self.stats["joins"] += 1
             if flight.prefetch and not flight.promoted:
-                flight.promoted = True
-                self.stats["prefetch_hits"] += 1
-                if flight.wait_scope is not None:
-                    flight.wait_scope.cancel()
-        else:
-            failed = self._failed.get(fp)
-            if failed is not None:
-                if trio.current_time() - failed[0] < FAILED_CHUNK_TTL:
-                    self.stats["failed_fast"] += 1
-                    raise failed[1]
-                del self._failed[fp]
-            flight = self._start(fp, prefetch=False)
-        await flight.event.wait()
+                self._promote(flight)
+            return flight
+        failed = self._failed.get(fp)
+        if failed is not None:
+            if trio.current_time() - failed[0] < FAILED_CHUNK_TTL:
+                self.stats["failed_fast"] += 1
+                raise failed[1]
+            del self._failed[fp]
+        return self._start(fp, prefetch=False)
+
+    def _promote(self, flight: _Flight) -> None:
+        """A demand read joined a prefetch: it no longer waits for a
+        prefetch slot (demand keeps the store's capacity for itself)."""
+        flight.promoted = True
+        self.stats["prefetch_hits"] += 1
+        if flight.wait_scope is not None:
+            flight.wait_scope.cancel()
+        if flight.state is _QUEUED:  # queued behind prefetches: with demand now
+            flight.deadline = trio.current_time() + self.deadline
+            self._queued_demand.append(flight)
+
+    async def _wait(self, flights: list[_Flight]) -> None:
+        """Until every flight of ``flights`` is done (one Event for all)."""
+        left = [f for f in flights if f.state is not _DONE]
+        if not left:
+            return
+        waiter = _Waiter(len(left))
+        for flight in left:
+            if flight.waiters is None:
+                flight.waiters = [waiter]
+            else:
+                flight.waiters.append(waiter)
+        await waiter.event.wait()
+
+    def _result(self, flight: _Flight) -> bytes:
+        """The bytes of a flight done, or its error as FetchError."""
         if flight.error is not None:
             raise FetchError(str(flight.error)) from flight.error
         assert flight.data is not None
-        self._used(fp)
+        self._used(flight.fp)
         return flight.data
 
     async def read_into(self, fps: list[Fprint], dests: list[memoryview]) -> None:
@@ -366,8 +508,8 @@ class Fetcher:
         kernel's readahead of the segment files) has usually brought into the
         page cache already, and a blocking read here costs less than a hop to
         a worker thread for the others (docs/READER.md, Prefetch). Chunks in
-        memory are copied; the others (not cached, under way, damaged) go
-        through `get_waiting`, in parallel.
+        memory are copied; the others (not cached, under way, damaged) are
+        joined or started as flights, all waited for at once.
         Disk hits are not kept in memory: the kernel's page cache keeps the
         segment's pages. Raises FetchError if one chunk cannot be obtained."""
         n = len(fps)
@@ -381,7 +523,7 @@ class Fetcher:
                 dests[k][:] = data
                 done[k] = True
                 stats["mem_hits"] += 1
-            elif cache is not None and fp not in self._inflight and cache.has(fp):
+            elif cache is not None and fp not in self._inflight and cache.has_indexed(fp):
                 disk.append(k)
         if disk:
             ok = cache.read_into([fps[k] for k in disk], [dests[k] for k in disk])
@@ -397,29 +539,46 @@ class Fetcher:
         missing = [k for k in range(n) if not done[k]]
         if not missing:
             return
-        stats["requests"] -= len(missing)  # get_waiting counts them
-        errors: list[FetchError] = []
+        stats["requests"] -= len(missing)  # `_join` counts them
+        await self._read_missing(fps, dests, missing)
 
-        async def one(k: int) -> None:
+    async def _read_missing(self, fps: list[Fprint], dests: list[memoryview], missing: list[int]) -> None:
+        """`read_into` for the chunks ``missing`` (positions): flights joined
+        or started, one wait for all, then the bytes copied; the first error,
+        once all are done."""
+        errors: list[FetchError] = []
+        waiting: list[tuple[int, _Flight]] = []
+        for k in missing:
             try:
-                data = await self.get_waiting(fps[k])
+                got = self._join(fps[k])
             except FetchError as e:
                 errors.append(e)
-                return
-            if len(data) != len(dests[k]):
-                name = chunk_name(fps[k])
-                errors.append(FetchError("chunk %s has %d bytes, not %d" % (name, len(data), len(dests[k]))))
-                return
-            dests[k][:] = data
-
-        if len(missing) == 1:
-            await one(missing[0])
-        else:
-            async with trio.open_nursery() as nursery:
-                for k in missing:
-                    nursery.start_soon(one, k)
+                continue
+            if isinstance(got, _Flight):
+                waiting.append((k, got))
+            else:
+                self._fill(fps[k], dests[k], got, errors)
+        if waiting:
+            self._pump()
+            await self._wait([flight for _, flight in waiting])
+            for k, flight in waiting:
+                try:
+                    data = self._result(flight)
+                except FetchError as e:
+                    errors.append(e)
+                    continue
+                self._fill(fps[k], dests[k], data, errors)
         if errors:
             raise errors[0]
+
+    @staticmethod
+    def _fill(fp: Fprint, dest: memoryview, data: bytes, errors: list[FetchError]) -> None:
+        """Copy a chunk's bytes into its destination, or note an error if it
+        has another length than the request needs."""
+        if len(data) != len(dest):
+            errors.append(FetchError("chunk %s has %d bytes, not %d" % (chunk_name(fp), len(data), len(dest))))
+        else:
+            dest[:] = data
 
     def prefetch(self, fps: Iterable[Fprint], *, fetch: bool = True, advise: bool = True) -> int:
         """Start fetching chunks in the background, skipping those in memory
@@ -436,7 +595,7 @@ class Fetcher:
                     self.stats["prefetch_requested"] += 1
                     self.stats["prefetch_skipped"] += 1
                 continue
-            if cache is not None and cache.has(fp):
+            if cache is not None and cache.has_indexed(fp):
                 if advise:
                     to_advise.append(fp)
                 continue
@@ -449,6 +608,8 @@ class Fetcher:
             self._start(fp, prefetch=True)
             started += 1
         self.stats["prefetch_started"] += started
+        if started:
+            self._pump()
         if to_advise:
             self.stats["prefetch_requested"] += len(to_advise)
             self.stats["prefetch_advised"] += len(to_advise)
@@ -486,12 +647,12 @@ class Fetcher:
         parallel = parallel or self.prefetch_slots.total_tokens
         sem = trio.Semaphore(parallel)
         todo = [fp for fp in dict.fromkeys(fps)
-                if fp not in self.mem and not (self.cache is not None and self.cache.has(fp))]
+                if fp not in self.mem and not (self.cache is not None and self.cache.has_indexed(fp))]
         progress.chunks = len(todo)
 
         async def one(flight: _Flight) -> None:
             try:
-                await flight.event.wait()
+                await self._wait([flight])
                 if flight.error is None:
                     progress.done += 1
                 else:
@@ -514,19 +675,19 @@ class Fetcher:
                         await sem.acquire()
                         slot, slots[k] = slots[k], None
                         flight = self._inflight.get(fp)
-                        if flight is None and not (cache is not None and cache.has(fp)):
+                        if flight is None and not (cache is not None and cache.has_indexed(fp)):
                             flight = self._start(fp, prefetch=True, hydrate=True, slot=slot)
-                        elif cache is not None:
-                            cache.release(slot)
+                        elif slot is not None:
+                            slot.abandon()
                         if flight is None:  # cached meanwhile
                             progress.done += 1
                             sem.release()
                         else:
                             nursery.start_soon(one, flight)
                 finally:  # cancelled: give back the places not used
-                    if cache is not None:
-                        for slot in slots:
-                            cache.release(slot)
+                    for slot in slots:
+                        if slot is not None:
+                            slot.abandon()
         if progress.failed:
             raise FetchError("%d of %d chunks could not be fetched (%s)"
                              % (progress.failed, progress.chunks, progress.error))
@@ -534,6 +695,10 @@ class Fetcher:
 
     # ---------------------------------------------------------------- flights
     def _start(self, fp: Fprint, prefetch: bool, hydrate: bool = False, slot: Any = _RESERVE) -> _Flight:
+        """Start the flight of one chunk; ``slot``: its place in the disk
+        cache, taken here unless given. A GET the store's HTTP engine can
+        make is queued for `_pump` (the caller calls it once its flights
+        are started); anything else runs in a task (`_fly`)."""
         if self._nursery is None:
             raise RuntimeError("Fetcher.bind(nursery) was not called")
         # The chunk's place in the disk cache is taken now, in the order
@@ -542,15 +707,27 @@ class Fetcher:
         # the cache has (a read of it that had to wait for the disk).
         cache = self.cache
         if slot is _RESERVE:
-            slot = cache.reserve() if cache is not None and not cache.has(fp) else None
-        flight = _Flight(prefetch, slot)
+            slot = cache.reserve() if cache is not None and not cache.has_indexed(fp) else None
+        flight = _Flight(fp, prefetch, slot)
         self._inflight[fp] = flight
         if prefetch:
             self._prefetch_flights += 1
-        self._nursery.start_soon(self._fly, fp, flight, hydrate)
+        if hydrate or self._get_batch is None or (cache is not None and cache.might_have(fp)):
+            self._nursery.start_soon(self._fly, flight, hydrate)
+        elif prefetch:
+            flight.state = _QUEUED
+            self._queued_prefetch.append(flight)
+        else:
+            flight.state = _QUEUED
+            flight.deadline = trio.current_time() + self.deadline
+            self._queued_demand.append(flight)
         return flight
 
-    async def _fly(self, fp: Fprint, flight: _Flight, hydrate: bool) -> None:
+    async def _fly(self, flight: _Flight, hydrate: bool, first_error: BaseException | None = None) -> None:
+        """A flight in a task: a prefetch slot first (a prefetch), then the
+        disk cache or the store; ``first_error``: its first GET failed on the
+        engine path, this is its retries."""
+        fp = flight.fp
         slot = False
         try:
             if flight.prefetch and not flight.promoted:
@@ -562,12 +739,13 @@ class Fetcher:
                         await self.prefetch_slots.acquire_on_behalf_of(flight)
                         slot = True
                     flight.wait_scope = None
-            flight.data = await self._load(fp, flight, hydrate)
+            if first_error is None:
+                flight.data = await self._load(fp, flight, hydrate)
+            else:
+                data, cached = await self._download(fp, flight, failed=1, last=first_error)
+                flight.data = self._landed(flight, data, hydrate, cached)
         except FetchError as e:
-            flight.error = e
-            if len(self._failed) >= self.max_prefetch_flights:
-                self._failed.clear()  # a bound, not a policy: entries live seconds
-            self._failed[fp] = (trio.current_time(), e)
+            self._fail(flight, e)
         except BaseException as e:  # noqa: BLE001 - reported to every waiter
             flight.error = e
             if not isinstance(e, Exception):
@@ -575,18 +753,37 @@ class Fetcher:
         finally:
             if slot:
                 self.prefetch_slots.release_on_behalf_of(flight)
-            if flight.slot is not None and self.cache is not None:  # not handed to `_cache_put`
-                self.cache.release(flight.slot)
-            if flight.prefetch:
-                self._prefetch_flights -= 1
-            del self._inflight[fp]
-            flight.event.set()
+            self._finish(flight)
+
+    def _fail(self, flight: _Flight, error: FetchError) -> None:
+        """A flight given up on: its waiters get ``error``, and so do demand
+        reads of the chunk for `FAILED_CHUNK_TTL`."""
+        flight.error = error
+        if len(self._failed) >= self.max_prefetch_flights:
+            self._failed.clear()  # a bound, not a policy: entries live seconds
+        self._failed[flight.fp] = (trio.current_time(), error)
+
+    def _finish(self, flight: _Flight) -> None:
+        """A flight is over (bytes or error): give back its place in the
+        disk cache if unused, and wake its waiters."""
+        flight.state = _DONE
+        if flight.slot is not None:  # not handed to the bytes' writer
+            flight.slot.abandon()
+            flight.slot = None
+        if flight.prefetch:
+            self._prefetch_flights -= 1
+        del self._inflight[flight.fp]
+        if flight.waiters is not None:
+            for waiter in flight.waiters:
+                waiter.left -= 1
+                if not waiter.left:
+                    waiter.event.set()
 
     async def _load(self, fp: Fprint, flight: _Flight, hydrate: bool) -> bytes:
         if self.cache is not None and self.cache.might_have(fp):
             cache = self.cache
             if hydrate:
-                if await trio.to_thread.run_sync(cache.contains, fp, limiter=self.cache_limiter):
+                if await trio.to_thread.run_sync(cache.has_blocking, fp, limiter=self.cache_limiter):
                     if not flight.promoted:  # nobody waits for the bytes
                         return b""
             data = await trio.to_thread.run_sync(cache.get, fp, limiter=self.cache_limiter)
@@ -596,7 +793,14 @@ class Fetcher:
                 if not flight.prefetch or flight.promoted:
                     self._hold(fp, data)
                 return data
-        data, cached = await self._download(fp, flight.slot if self.cache is not None else None)
+        data, cached = await self._download(fp, flight)
+        return self._landed(flight, data, hydrate, cached)
+
+    def _landed(self, flight: _Flight, data: bytes, hydrate: bool, cached: bool) -> bytes:
+        """Downloaded bytes: counted, kept in memory (those a read waits
+        for held, see `HOLD_SECONDS`), written to the disk cache unless
+        ``cached`` (the engine's thread did)."""
+        fp = flight.fp
         self.stats["store_fetches"] += 1
         if flight.prefetch and not flight.promoted:
             self.stats["prefetch_fetched"] += 1
@@ -612,7 +816,7 @@ class Fetcher:
             flight.slot = None  # with the bytes' writer now
         return data
 
-    def _cache_put(self, fp: Fprint, data: bytes, slot: Any = None) -> None:
+    def _cache_put(self, fp: Fprint, data: bytes, slot: CacheSlot | None = None) -> None:
         """Queue a chunk for the disk cache: `_write_loop` writes what has
         queued up in one thread hop, not a hop per chunk."""
         self._to_write.append((fp, data, slot))
@@ -629,12 +833,7 @@ class Fetcher:
 
         def write(batch: list) -> None:
             for fp, data, slot in batch:
-                try:
-                    cache.put(fp, data, slot)
-                except Exception:  # noqa: BLE001 - a cache that cannot be written is not fatal
-                    log.exception("cannot write chunk %s to the cache", chunk_name(fp))
-                finally:
-                    cache.release(slot)  # if `put` failed
+                _store_chunk(cache, fp, data, slot)
 
         batch: list = []
         try:
@@ -645,75 +844,97 @@ class Fetcher:
         finally:
             self._writing = False
             for _fp, _data, slot in batch + self._to_write:  # cancelled before the thread took them
-                cache.release(slot)
+                if slot is not None:
+                    slot.abandon()
             self._to_write = []
 
-    async def _download(self, fp: Fprint, slot: Any = None) -> tuple[bytes, bool]:
+    async def _download(self, fp: Fprint, flight: _Flight, *, failed: int = 0,
+                        last: BaseException | None = None) -> tuple[bytes, bool]:
         """GET and verify one chunk: attempts of at most ``timeout`` seconds,
         with backoff, until one succeeds, ``retries`` retries are spent or
         ``deadline`` seconds have passed (queueing for a GET slot included);
-        then FetchError. Returns the bytes and whether the disk cache write
-        is taken care of (the engine path writes them in `slot` itself)."""
+        then FetchError. ``failed``: attempts already made on the engine path
+        (whose deadline started then), ``last`` the error of the last.
+        Returns the bytes and whether the disk cache write is taken care of
+        (the engine path writes them in the flight's slot itself)."""
         name = chunk_name(fp)
-        backend = self.store.chunks
+        slot = flight.slot if self.cache is not None else None
+        if not failed:
+            flight.deadline = trio.current_time() + self.deadline
+        attempts = failed
 
-        def get_and_decode() -> tuple[int, bytes]:
-            blob = backend.get(name, max_bytes=MAX_CHUNK_BLOB_BYTES)
-            return len(blob), decode_chunk(blob, fp)
+        async def attempt() -> tuple[bytes, bool]:
+            nonlocal attempts, last
+            attempts += 1
+            try:
+                return await self._get_once(fp, name, slot, attempts)
+            except _GET_FAILURES as e:
+                last = e
+                raise
 
-        async def attempt_once() -> tuple[int, bytes, bool]:
-            # The engine's request has `timeout` as its own bound; a thread's
-            # is abandoned after it.
-            answer = await self._get_async(backend, name, fp, slot)
-            if answer is not None:
-                return answer[0], answer[1], True
-            with trio.fail_after(self.timeout):
-                size, data = await trio.to_thread.run_sync(get_and_decode, abandon_on_cancel=True,
-                                                           limiter=self.thread_limiter)
-            return size, data, False
+        async def sleep(delay: float) -> None:
+            self.stats["retries"] += 1
+            await trio.sleep(delay)
 
-        last: BaseException | None = None
-        attempts = 0
-        with trio.move_on_after(self.deadline) as deadline:
-            for attempt in range(self.retries + 1):
-                if attempt:
-                    self.stats["retries"] += 1
-                    await trio.sleep(min(self.backoff * (2 ** (attempt - 1)), 2.0))
-                start = time.monotonic()
-                attempts += 1
-                try:
-                    try:  # a free one costs no trip through the scheduler
-                        self.io_limiter.acquire_nowait()
-                    except trio.WouldBlock:
-                        await self.io_limiter.acquire()
-                    try:
-                        self.stats["gets"] += 1
-                        size, data, cached = await attempt_once()
-                    finally:
-                        self.io_limiter.release()
-                    self.stats["get_bytes"] += size
-                    log.debug("GET %s: %d bytes in %.3fs", name, size, time.monotonic() - start)
-                    self._store_answered()
-                    return data, cached
-                except trio.TooSlowError:
-                    last = TimeoutError("GET %s timed out after %.1fs" % (name, self.timeout))
-                except ChunkError as e:
-                    self.stats["corrupt"] += 1
-                    last = e
-                except TooLarge as e:
-                    self.stats["too_large"] += 1
-                    self.stats["get_errors"] += 1
-                    last = e
-                    break  # the same object next time: not worth a retry
-                except (StoreError, OSError) as e:
-                    last = e
-                self.stats["get_errors"] += 1
-                log.debug(
-                    "GET %s failed (attempt %d, %.3fs): %s", name, attempt + 1, time.monotonic() - start, last
-                )
+        with trio.move_on_at(flight.deadline) as deadline:
+            try:
+                return await retry_async(attempt, backoff=self._retry_schedule(), sleep=sleep,
+                                         transient=_worth_retrying, failed=failed)
+            except _GET_FAILURES:
+                pass
         if deadline.cancelled_caught:
             last = TimeoutError("no answer from the store within the %.0fs deadline (last: %s)"
                                 % (self.deadline, last or "none"))
+        raise self._gave_up(name, attempts, last)
+
+    async def _get_once(self, fp: Fprint, name: str, slot: CacheSlot | None, attempt: int) -> tuple[bytes, bool]:
+        """One attempt of `_download`, counted: on the store's HTTP engine if
+        it has one (its request has ``timeout`` as its own bound), else in a
+        worker thread abandoned after ``timeout``. Raises one of
+        `_GET_FAILURES` (a timeout as TimeoutError)."""
+        backend = self.store.chunks
+        start = time.monotonic()
+        try:
+            try:  # a free one costs no trip through the scheduler
+                self.io_limiter.acquire_nowait()
+            except trio.WouldBlock:
+                await self.io_limiter.acquire()
+            try:
+                self.stats["gets"] += 1
+                answer = await self._get_async(backend, name, fp, slot)
+                cached = answer is not None
+                if answer is None:
+                    with trio.fail_after(self.timeout):
+                        answer = await trio.to_thread.run_sync(_get_and_decode, backend, name, fp,
+                                                               abandon_on_cancel=True, limiter=self.thread_limiter)
+            finally:
+                self.io_limiter.release()
+        except trio.TooSlowError:
+            error: BaseException = TimeoutError("GET %s timed out after %.1fs" % (name, self.timeout))
+        except _GET_FAILURES as e:
+            error = e
+        else:
+            size, data = answer
+            self.stats["get_bytes"] += size
+            log.debug("GET %s: %d bytes in %.3fs", name, size, time.monotonic() - start)
+            self._store_answered()
+            return data, cached
+        self._count_get_error(name, error, attempt, time.monotonic() - start)
+        raise error
+
+    def _count_get_error(self, name: str, error: BaseException, attempt: int, took: float) -> None:
+        """Count (and log at debug level) one failed GET attempt."""
+        if isinstance(error, ChunkError):
+            self.stats["corrupt"] += 1
+        elif isinstance(error, TooLarge):
+            self.stats["too_large"] += 1
+        self.stats["get_errors"] += 1
+        if not isinstance(error, TooLarge):
+            log.debug("GET %s failed (attempt %d, %.3fs): %s", name, attempt, took, error)
+
+    def _gave_up(self, name: str, attempts: int, last: BaseException | None) -> FetchError:
+        """Count and log the failure of a chunk's fetch: the FetchError to
+        raise. A failure for want of an answer marks the store unreachable."""
         self.stats["failed"] += 1
         if isinstance(last, (TimeoutError, OSError)) or (
             isinstance(last, StoreError) and not isinstance(last, (NotFound, TooLarge))
@@ -721,9 +942,162 @@ class Fetcher:
             self._store_unanswered(last)
         log.error("giving up on chunk %s after %d attempts: %s", name, attempts, last)
         text = str(last)
-        raise FetchError(text if name in text else "chunk %s: %s" % (name, text))
+        return FetchError(text if name in text else "chunk %s: %s" % (name, text))
 
-    async def _get_async(self, backend: Any, name: str, fp: Fprint, slot: Any) -> tuple[int, bytes] | None:
+    # ------------------------------------------------------ the engine path
+    def _pump(self) -> None:
+        """Send the queued flights that a GET slot (and a prefetch slot, for
+        a prefetch) lets go now to the store's HTTP engine, all in one
+        submission: demand first, then prefetches in the order they
+        started. No task, no Event per chunk: the answers come back to
+        `_engine_done` in batches."""
+        io = self.io_limiter
+        batch: list[_Flight] = []
+        demand = self._queued_demand
+        while demand:
+            flight = demand[0]
+            if flight.state is not _QUEUED:
+                demand.popleft()  # promoted, and sent from the prefetch queue meanwhile; or expired
+                continue
+            try:
+                io.acquire_on_behalf_of_nowait(flight)
+            except trio.WouldBlock:
+                break
+            demand.popleft()
+            flight.state = _ENGINE  # not sent again from the prefetch queue
+            batch.append(flight)
+        else:
+            self._pump_prefetches(batch)
+        if batch:
+            self._submit(batch)
+        if demand and not self._watching:
+            self._watching = True
+            assert self._nursery is not None
+            self._nursery.start_soon(self._watch_queue)
+
+    def _pump_prefetches(self, batch: list[_Flight]) -> None:
+        io, slots = self.io_limiter, self.prefetch_slots
+        queue = self._queued_prefetch
+        now = trio.current_time()
+        while queue:
+            flight = queue[0]
+            if flight.state is not _QUEUED:
+                queue.popleft()
+                continue
+            if not flight.promoted:
+                try:
+                    slots.acquire_on_behalf_of_nowait(flight)
+                except trio.WouldBlock:
+                    return
+            try:
+                io.acquire_on_behalf_of_nowait(flight)
+            except trio.WouldBlock:
+                if not flight.promoted:
+                    slots.release_on_behalf_of(flight)
+                return
+            queue.popleft()
+            flight.state = _ENGINE
+            flight.holds_prefetch_slot = not flight.promoted
+            if not flight.promoted:
+                flight.deadline = now + self.deadline  # a prefetch's deadline starts with its slot
+            batch.append(flight)
+
+    def _submit(self, batch: list[_Flight]) -> None:
+        """One engine submission for the flights of ``batch`` (each holds a
+        GET slot); an engine that cannot take them turns the engine path off
+        and the flights go to tasks."""
+        now = trio.current_time()
+        answer = self._engine_answer
+        items = [(chunk_name(f.fp), min(self.timeout, max(f.deadline - now, MIN_ATTEMPT_TIMEOUT)),
+                  functools.partial(answer, f, f.slot)) for f in batch]
+        assert self._get_batch is not None
+        if self._get_batch(items, MAX_CHUNK_BLOB_BYTES, self._hand_over):
+            self.stats["gets"] += len(batch)
+            return
+        log.debug("no engine path for chunk GETs: they run in threads")
+        self._get_batch = None
+        assert self._nursery is not None
+        for flight in batch:
+            self._release_slots(flight)
+            flight.state = _TASK
+            self._nursery.start_soon(self._fly, flight, False)
+
+    def _release_slots(self, flight: _Flight) -> None:
+        self.io_limiter.release_on_behalf_of(flight)
+        if flight.holds_prefetch_slot:
+            flight.holds_prefetch_slot = False
+            self.prefetch_slots.release_on_behalf_of(flight)
+
+    def _engine_answer(self, flight: _Flight, slot: CacheSlot | None, answer: bytes | BaseException) -> None:
+        """On the engine's thread: decode and verify the answer, queue it for
+        trio (`_hand_over` wakes trio once the engine's turn is over, for
+        every answer of that turn), then write the chunk into its place in
+        the disk cache (``slot``, read before the hand-off: trio owns the
+        flight once it has the answer)."""
+        size = 0
+        result: bytes | BaseException = answer
+        if not isinstance(answer, BaseException):
+            size = len(answer)
+            try:
+                result = decode_chunk(answer, flight.fp)
+            except BaseException as e:  # noqa: BLE001 - handed to trio
+                result = e
+        self._arrived((flight, result, size), wake=False)  # `_hand_over` wakes trio
+        if self.cache is not None and not isinstance(result, BaseException):
+            _store_chunk(self.cache, flight.fp, result, slot)
+
+    def _engine_done(self, flight: _Flight, result: bytes | BaseException, size: int) -> None:
+        """In trio: a GET of the engine path answered. Bytes finish the
+        flight; an error worth a retry hands it to a task (`_fly`), any
+        other (or the last) fails it."""
+        self._release_slots(flight)
+        name = chunk_name(flight.fp)
+        if not isinstance(result, BaseException):
+            self.stats["get_bytes"] += size
+            self._store_answered()
+            flight.data = self._landed(flight, result, False, True)
+            self._finish(flight)
+            return
+        if not isinstance(result, _GET_FAILURES):  # a bug: reported to every waiter, as in a task
+            flight.error = result
+            self._finish(flight)
+            return
+        self._count_get_error(name, result, 1, 0.0)
+        if _worth_retrying(result) and self.retries > 0 and trio.current_time() < flight.deadline:
+            flight.state = _TASK
+            assert self._nursery is not None
+            self._nursery.start_soon(self._fly, flight, False, result)
+            return
+        else:
+            self._fail(flight, self._gave_up(name, 1, result))
+        self._finish(flight)
+
+    async def _watch_queue(self) -> None:
+        """While demand flights wait for a GET slot: fail those whose
+        deadline passes before they get one (a store that holds every slot
+        without answering)."""
+        try:
+            while self._queued_demand:
+                now = trio.current_time()
+                queued = [f for f in self._queued_demand if f.state is _QUEUED]
+                if not queued:
+                    self._queued_demand.clear()
+                    break
+                soonest = min(f.deadline for f in queued)
+                if soonest > now:
+                    await trio.sleep_until(soonest)
+                    continue
+                for flight in queued:
+                    if flight.deadline <= now:
+                        error = TimeoutError("no answer from the store within the %.0fs deadline (last: none)"
+                                             % self.deadline)
+                        self._fail(flight, self._gave_up(chunk_name(flight.fp), 0, error))
+                        self._finish(flight)
+        finally:
+            self._watching = False
+
+    async def _get_async(self, backend: Any, name: str, fp: Fprint,
+                         slot: CacheSlot | None) -> tuple[int, bytes] | None:
         """GET and verify one chunk on the store's HTTP engine, if it has one
         (`S3Backend.get_async`): no thread per request; the answer is
         decoded and verified on the engine's thread, which then wakes this
@@ -748,10 +1122,7 @@ class Fetcher:
                 box.append(e)
             self._arrived(ready)
             if cache is not None and isinstance(box[0], tuple):
-                try:
-                    cache.put(fp, box[0][1], slot)  # a slot given back meanwhile: appended
-                except Exception:  # noqa: BLE001 - a cache that cannot be written is not fatal
-                    log.exception("cannot write chunk %s to the cache", chunk_name(fp))
+                _store_chunk(cache, fp, box[0][1], slot)
 
         if not get_async(name, MAX_CHUNK_BLOB_BYTES, done, timeout=self.timeout):
             return None
@@ -760,14 +1131,29 @@ class Fetcher:
             raise box[0]
         return box[0]
 
-    def _arrived(self, ready: trio.Event) -> None:
-        """From the engine's thread: set `ready` in trio. Answers that arrive
-        while trio has not yet run the last hand-off join it, so a busy
-        engine wakes trio once per batch, not once per chunk."""
+    def _arrived(self, item: trio.Event | tuple, wake: bool = True) -> None:
+        """From the engine's thread: hand ``item`` (an Event to set, or an
+        answer of the engine path for `_engine_done`) to trio. Items that
+        arrive while trio has not yet run the last hand-off join it, so a
+        busy engine wakes trio once per batch, not once per chunk; without
+        ``wake``, `_hand_over` wakes trio later."""
         with self._arrivals_lock:
-            self._arrivals.append(ready)
-            if len(self._arrivals) > 1:
+            self._arrivals.append(item)
+            if not wake or self._handing_over:
                 return
+            self._handing_over = True
+        self._wake_trio()
+
+    def _hand_over(self) -> None:
+        """From the engine's thread, at the end of a turn of its loop: wake
+        trio for the answers queued by `_arrived` meanwhile."""
+        with self._arrivals_lock:
+            if not self._arrivals or self._handing_over:
+                return
+            self._handing_over = True
+        self._wake_trio()
+
+    def _wake_trio(self) -> None:
         try:
             self._token.run_sync_soon(self._set_arrived)
         except trio.RunFinishedError:
@@ -776,8 +1162,13 @@ class Fetcher:
     def _set_arrived(self) -> None:
         with self._arrivals_lock:
             arrivals, self._arrivals = self._arrivals, []
-        for ready in arrivals:
-            ready.set()
+            self._handing_over = False
+        for item in arrivals:
+            if isinstance(item, tuple):
+                self._engine_done(*item)
+            else:
+                item.set()
+        self._pump()
 
     def _store_answered(self) -> None:
         if not self.reachable:
@@ -794,6 +1185,11 @@ class Fetcher:
                         "I/O error within %.0fs (mount option deadline)", error, self.deadline)
 
     # ------------------------------------------------------------------ stats
+    def cache_capacity(self) -> int | None:
+        """Bytes the disk cache can hold (its ``cache_size``, or less when its
+        disk is smaller), or None without a disk cache."""
+        return self.cache.capacity if self.cache is not None else None
+
     def snapshot(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.stats)
         out["prefetch_waste"] = len(self._prefetched_unused)

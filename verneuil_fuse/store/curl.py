@@ -83,12 +83,26 @@ class Response:
 class _Transfer:
     request: Request
     done: Callable[[Response | OSError], None]
+    flush: Callable[[], None] | None = None  # `submit_many`
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
     too_large: bool = False
     declared: int | None = None  # Content-Length, when it is over max_bytes
     status: int = 0  # learnt at the body's first bytes, else at the end
     last_activity: float = 0.0  # time.monotonic() of the last byte either way
+
+
+class _Handle:
+    """What one easy handle was last set up for (`CurlEngine._prepare` sets
+    only what changed) and the transfer it serves now (its write and header
+    callbacks, made once per handle, read it)."""
+
+    __slots__ = ("transfer", "settings", "method")
+
+    def __init__(self) -> None:
+        self.transfer: _Transfer | None = None
+        self.settings: tuple | None = None
+        self.method = ""
 
 
 class CurlEngine:
@@ -102,6 +116,8 @@ class CurlEngine:
         self._multi = pycurl.CurlMulti()
         self._multi.setopt(pycurl.M_MAXCONNECTS, max_in_flight + CONNECTION_CACHE_SLACK)
         self._free: list[pycurl.Curl] = []
+        self._handles: dict[pycurl.Curl, _Handle] = {}
+        self._flushes: set[Callable[[], None]] = set()  # `flush` callbacks owed at the end of this round
         self._active: dict[pycurl.Curl, _Transfer] = {}
         self._next_idle_check = 0.0
         self._sleeping = False  # in `_wait`'s select: a submit must wake it
@@ -109,11 +125,20 @@ class CurlEngine:
     # ------------------------------------------------------------- callers
     def submit(self, request: Request, done: Callable[[Response | OSError], None]) -> None:
         """Queue `request`; `done` gets its answer on the engine's thread."""
-        transfer = _Transfer(request, done)
+        self.submit_many([(request, done)])
+
+    def submit_many(self, batch: list[tuple[Request, Callable[[Response | OSError], None]]],
+                    flush: Callable[[], None] | None = None) -> None:
+        """Queue several requests at once (one lock round and at most one
+        wake-up for all); each `done` gets its answer on the engine's thread.
+        `flush`, if given, is called on that thread once the answers given
+        in one turn of the loop are all given, if any was one of these: a
+        caller that hands answers on in batches hands them on then."""
+        transfers = [_Transfer(request, done, flush) for request, done in batch]
         with self._lock:
             if self._closed:
                 raise OSError(errno.ESHUTDOWN, "the HTTP engine is closed")
-            self._queue.append(transfer)
+            self._queue.extend(transfers)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="curl-engine", daemon=True)
                 self._thread.start()
@@ -160,11 +185,21 @@ class CurlEngine:
                         break
                 self._finish_done()
                 self._expire_idle()
+                self._flush()
                 self._wait()
         except Exception:  # noqa: BLE001 - a bug here must not hang every caller
             log.exception("HTTP engine failed")
         finally:
             self._abort_all()
+
+    def _flush(self) -> None:
+        """Call the `flush` callbacks of the transfers answered this turn."""
+        while self._flushes:
+            flush = self._flushes.pop()
+            try:
+                flush()
+            except Exception:  # noqa: BLE001 - one caller's bug stays its own
+                log.exception("HTTP engine: flush callback failed")
 
     def _expire_idle(self) -> None:
         """End the transfers silent for their `idle_timeout` (checked every
@@ -218,37 +253,82 @@ class CurlEngine:
             try:
                 self._prepare(curl, transfer)
             except pycurl.error as e:
+                self._handles[curl].settings = None  # set up in part: all again next time
                 self._free.append(curl)
                 self._call(transfer, OSError(errno.EINVAL, "bad request: %s" % (e,)))
                 continue
             self._active[curl] = transfer
             self._multi.add_handle(curl)
 
-    @staticmethod
-    def _new_handle() -> pycurl.Curl:
+    def _new_handle(self) -> pycurl.Curl:
         curl = pycurl.Curl()
         curl.setopt(pycurl.NOSIGNAL, 1)
         curl.setopt(pycurl.TCP_NODELAY, 1)
         curl.setopt(pycurl.ACCEPT_ENCODING, None)  # the bytes as stored, never re-encoded
         curl.setopt(pycurl.BUFFERSIZE, RECEIVE_BUFFER)
+        handle = self._handles[curl] = _Handle()
+
+        def write(data: bytes):
+            t = handle.transfer
+            t.last_activity = time.monotonic()
+            t.size += len(data)
+            if t.status // 100 != 2:  # an error's body: kept up to a bound
+                if t.size <= ERROR_BODY_MAX:
+                    t.chunks.append(data)
+                return None
+            max_bytes = t.request.max_bytes
+            if max_bytes is not None and t.size > max_bytes:
+                t.too_large = True
+                return 0  # aborts the transfer
+            t.chunks.append(data)
+            return None
+
+        def header(line: bytes):
+            # Only the status line and Content-Length matter, and bytes
+            # tests keep this call per header line cheap.
+            t = handle.transfer
+            if line[:5] == b"HTTP/":
+                parts = line.split()
+                t.status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+                t.last_activity = time.monotonic()
+            elif line[:15].lower() == b"content-length:" and t.request.max_bytes is not None \
+                    and t.status // 100 == 2:
+                value = line[15:].strip()
+                if value.isdigit() and int(value) > t.request.max_bytes:
+                    t.too_large, t.declared = True, int(value)
+                    return 0  # aborts before the body
+            return None
+
+        curl.setopt(pycurl.WRITEFUNCTION, write)
+        curl.setopt(pycurl.HEADERFUNCTION, header)
         return curl
 
     def _prepare(self, curl: pycurl.Curl, t: _Transfer) -> None:
+        """Set the handle up for `t`: its URL, and what differs from the
+        handle's last request (a backend's requests share their signing,
+        headers and time limits, so usually nothing else)."""
         r = t.request
+        handle = self._handles[curl]
+        handle.transfer = t
         curl.setopt(pycurl.URL, r.url)
-        if r.sigv4 is not None:
-            spec, access_key, secret = r.sigv4
-            curl.setopt(pycurl.AWS_SIGV4, spec)
-            curl.setopt(pycurl.USERNAME, access_key)
-            curl.setopt(pycurl.PASSWORD, secret)
-        # (A backend signs all its requests or none: a handle never needs
-        # its signing options unset.)
-        curl.setopt(pycurl.HTTPHEADER, r.headers + ["Expect:"])
-        curl.setopt(pycurl.CONNECTTIMEOUT_MS, int(r.connect_timeout * 1000))
-        curl.setopt(pycurl.TIMEOUT_MS, int(r.timeout * 1000))
+        settings = (r.sigv4, r.headers, r.connect_timeout, r.timeout)
+        if settings != handle.settings:
+            handle.settings = None
+            if r.sigv4 is not None:
+                spec, access_key, secret = r.sigv4
+                curl.setopt(pycurl.AWS_SIGV4, spec)
+                curl.setopt(pycurl.USERNAME, access_key)
+                curl.setopt(pycurl.PASSWORD, secret)
+            # (A backend signs all its requests or none: a handle never needs
+            # its signing options unset.)
+            curl.setopt(pycurl.HTTPHEADER, r.headers + ["Expect:"])
+            curl.setopt(pycurl.CONNECTTIMEOUT_MS, int(r.connect_timeout * 1000))
+            curl.setopt(pycurl.TIMEOUT_MS, int(r.timeout * 1000))
+            handle.settings = settings
         t.last_activity = time.monotonic()
         if r.method == "GET":
-            curl.setopt(pycurl.HTTPGET, 1)
+            if handle.method != "GET":
+                curl.setopt(pycurl.HTTPGET, 1)
         elif r.method == "HEAD":
             curl.setopt(pycurl.NOBODY, 1)
         elif r.method == "PUT":
@@ -267,37 +347,7 @@ class CurlEngine:
             curl.setopt(pycurl.READFUNCTION, read)
         else:
             raise pycurl.error("unsupported method %s" % r.method)
-
-        def write(data: bytes):
-            t.last_activity = time.monotonic()
-            t.size += len(data)
-            if t.status // 100 != 2:  # an error's body: kept up to a bound
-                if t.size <= ERROR_BODY_MAX:
-                    t.chunks.append(data)
-                return None
-            if r.max_bytes is not None and t.size > r.max_bytes:
-                t.too_large = True
-                return 0  # aborts the transfer
-            t.chunks.append(data)
-            return None
-
-        def header(line: bytes):
-            # Only the status line and Content-Length matter, and bytes
-            # tests keep this call per header line cheap.
-            if line[:5] == b"HTTP/":
-                parts = line.split()
-                t.status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
-                t.last_activity = time.monotonic()
-            elif line[:15].lower() == b"content-length:" and r.max_bytes is not None \
-                    and t.status // 100 == 2:
-                value = line[15:].strip()
-                if value.isdigit() and int(value) > r.max_bytes:
-                    t.too_large, t.declared = True, int(value)
-                    return 0  # aborts before the body
-            return None
-
-        curl.setopt(pycurl.WRITEFUNCTION, write)
-        curl.setopt(pycurl.HEADERFUNCTION, header)
+        handle.method = r.method
 
     def _finish_done(self) -> None:
         multi = self._multi
@@ -328,11 +378,13 @@ class CurlEngine:
             curl.setopt(pycurl.NOBODY, 0)
         elif t.request.method == "PUT":
             curl.setopt(pycurl.UPLOAD, 0)
+        self._handles[curl].transfer = None
         self._free.append(curl)
         return t
 
-    @staticmethod
-    def _call(t: _Transfer, result: Response | OSError) -> None:
+    def _call(self, t: _Transfer, result: Response | OSError) -> None:
+        if t.flush is not None:
+            self._flushes.add(t.flush)
         try:
             t.done(result)
         except Exception:  # noqa: BLE001 - one caller's bug stays its own
@@ -348,7 +400,9 @@ class CurlEngine:
             self._closed = True
         for t in queued:
             self._call(t, OSError(errno.ESHUTDOWN, "the HTTP engine is closed"))
+        self._flush()
         for curl in self._free:
             curl.close()
         self._free.clear()
+        self._handles.clear()
         self._multi.close()

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import time
 import urllib.parse
 from typing import Any, Callable, Iterator
 
@@ -40,6 +39,7 @@ import botocore.session
 from botocore.config import Config
 
 from .curl import BodyTooLarge, CurlEngine, Request, Response
+from .retry import Backoff, retry
 
 from .base import (
     AccessDenied,
@@ -183,7 +183,12 @@ _PLAIN_KEY = re.compile(r"\A[A-Za-z0-9._%-]+\Z")
 _XML_CODE = re.compile(rb"<Code>([^<]{1,100})</Code>")
 _XML_MESSAGE = re.compile(rb"<Message>([^<]{0,400})</Message>")
 _REGION_CODES = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"})
+# The engine's synchronous requests (`get`, `put` of one object) retry a
+# transient failure after 50 ms, then 100 ms, 200 ms ... (botocore's own
+# retries wait about as long), without jitter: few callers wait at once.
 ENGINE_RETRY_BACKOFF = 0.05
+# ... never more than botocore's longest wait between attempts (20 s).
+ENGINE_RETRY_CAP = 20.0
 
 
 class _Redirected:
@@ -515,12 +520,17 @@ class S3Backend:
         """The request for `key`, with what libcurl needs to sign it (SigV4,
         the credentials botocore's chain gives the client now), or None: no
         engine path."""
+        auth = self._engine_auth()
+        return None if auth is None else self._engine_build(auth, method, key, body, max_bytes, timeout)
+
+    def _engine_auth(self) -> tuple[str, list[str], tuple[str, str, str] | None] | None:
+        """What every engine request needs now: the URL prefix, the headers
+        and the SigV4 spec with the credentials botocore's chain gives the
+        client at this moment; None: no engine path (or no credentials:
+        boto3 then says so in its own words)."""
         prefix = self._engine_prefix()
         if prefix is None:
             return None
-        full = self._full(key)
-        url = prefix + (full.replace("%", "%25") if _PLAIN_KEY.match(full)
-                        else urllib.parse.quote(full, safe="/~"))
         headers = ["x-amz-content-sha256: " + UNSIGNED_PAYLOAD]
         sigv4 = None
         config = self.client.meta.config
@@ -536,9 +546,18 @@ class S3Backend:
             sigv4 = ("aws:amz:%s:s3" % (self.region or "us-east-1"), frozen.access_key, frozen.secret_key)
             if frozen.token:
                 headers.append("x-amz-security-token: " + frozen.token)
+        return prefix, headers, sigv4
+
+    def _engine_build(self, auth: tuple[str, list[str], tuple[str, str, str] | None], method: str, key: str,
+                      body: bytes | None, max_bytes: int | None, timeout: float | None) -> Request:
+        prefix, headers, sigv4 = auth
+        full = self._full(key)
+        url = prefix + (full.replace("%", "%25") if _PLAIN_KEY.match(full)
+                        else urllib.parse.quote(full, safe="/~"))
         size = len(body) if body is not None else max_bytes or 0
         if timeout is None:
             timeout = ENGINE_LARGE_REQUEST_TIMEOUT if size > ENGINE_LARGE_BODY else ENGINE_REQUEST_TIMEOUT
+        config = self.client.meta.config
         return Request(method, url, headers, body=body, max_bytes=max_bytes, sigv4=sigv4,
                        connect_timeout=config.connect_timeout or CONNECT_TIMEOUT,
                        idle_timeout=config.read_timeout or READ_TIMEOUT, timeout=timeout)
@@ -569,10 +588,31 @@ class S3Backend:
         StoreError on the engine's thread (keep it short).  False, and
         nothing started, when the engine path is not available (then call
         `get` in a thread)."""
+        return self.get_async_batch([(key, timeout, done)], max_bytes)
+
+    def get_async_batch(self, items: list[tuple[str, float | None, Callable[[bytes | StoreError], None]]],
+                        max_bytes: int | None, flush: Callable[[], None] | None = None) -> bool:
+        """`get_async` for several keys, each ``(key, timeout, done)``: one
+        credentials look-up and one engine submission for all; ``flush``
+        (`CurlEngine.submit_many`) is called on the engine's thread after
+        each turn that gave some of their answers.  False, and nothing
+        started, when the engine path is not available."""
         check_max_bytes(max_bytes)
-        request = self._engine_request("GET", key, None, max_bytes, timeout)
-        if request is None:
+        auth = self._engine_auth()
+        if auth is None:
             return False
+        batch = [(self._engine_build(auth, "GET", key, None, max_bytes, timeout), self._get_finisher(key, max_bytes, done))
+                 for key, timeout, done in items]
+        try:
+            self._engine.submit_many(batch, flush)
+        except OSError:
+            return False
+        return True
+
+    def _get_finisher(self, key: str, max_bytes: int | None,
+                      done: Callable[[bytes | StoreError], None]) -> Callable[[Response | OSError], None]:
+        """The engine's completion of a GET of `key`: its body or StoreError
+        to `done` (a bucket in another region: boto3 instead, here)."""
 
         def finish(result: Response | OSError) -> None:
             answer = self._engine_answer("get", key, result, max_bytes)
@@ -583,11 +623,7 @@ class S3Backend:
                     answer = error
             done(answer)
 
-        try:
-            self._engine.submit(request, finish)
-        except OSError:
-            return False
-        return True
+        return finish
 
     def _engine_sync(self, op: str, method: str, key: str, body: bytes | None,
                      max_bytes: int | None) -> bytes | None:
@@ -596,7 +632,8 @@ class S3Backend:
         says (botocore's total_max_attempts); None: use boto3."""
         retries = self.client.meta.config.retries or {}
         attempts = max(1, int(retries.get("total_max_attempts", ENGINE_ATTEMPTS)))
-        for attempt in range(attempts):
+
+        def once() -> bytes | None:
             request = self._engine_request(method, key, body, max_bytes, None)
             if request is None:
                 return None
@@ -615,13 +652,12 @@ class S3Backend:
             answer = self._engine_answer(op, key, box[0], max_bytes)
             if isinstance(answer, _Redirected):
                 return None
-            if isinstance(answer, TransientError) and attempt + 1 < attempts:
-                time.sleep(ENGINE_RETRY_BACKOFF * (2 ** attempt))
-                continue
             if isinstance(answer, StoreError):
                 raise answer
             return answer
-        return None  # not reached
+
+        backoff = Backoff(base=ENGINE_RETRY_BACKOFF, cap=ENGINE_RETRY_CAP, attempts=attempts, jitter=False)
+        return retry(once, backoff=backoff, what="%s %s" % (op, key))
 
     # -- Backend ---------------------------------------------------------
 

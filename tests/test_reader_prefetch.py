@@ -1,0 +1,192 @@
+"""Prefetch policies (reader/prefetch.py) and a replica's prefetch hints,
+no FUSE: a `Replica` of a published manifest reads through a `Fetcher`."""
+from __future__ import annotations
+
+import os
+
+import trio
+
+from replicas import make_db, publish
+from verneuil_fuse.format import CHUNK_SIZE
+from verneuil_fuse.reader.cache import ChunkCache
+from verneuil_fuse.reader.fetcher import Fetcher
+from verneuil_fuse.reader.prefetch import (BtreeReadahead, Cursor, Hints, PrefetchConfig,
+                                           SequentialReadahead)
+from verneuil_fuse.reader.replica import Replica
+
+
+def replica_of(pub, fetcher: Fetcher, config: PrefetchConfig | None = None) -> Replica:
+    return Replica(key=pub.key, path="/x.db", manifest=pub.manifest, fetcher=fetcher, inode=2, mtime_ns=0,
+                   prefetch=config)
+
+
+def run(fetcher: Fetcher, fn):
+    """`fn()` with the fetcher bound; its flights cancelled at the end."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            fetcher.bind(nursery)
+            result = await fn()
+            nursery.cancel_scope.cancel()
+        return result
+
+    return trio.run(main)
+
+
+def _scan_db(tmp_path, store):
+    path = str(tmp_path / "scan.db")
+    make_db(path, 6000, payload=300)
+    data = open(path, "rb").read()
+    return publish(store, data, "/scan.db")
+
+
+# -- the policies alone ------------------------------------------------------
+
+def test_sequential_readahead_opens_after_two_chunks_in_order_and_resets_on_a_jump():
+    policy = SequentialReadahead(PrefetchConfig(readahead_initial=2, readahead_max=8), nchunks=100)
+    cursor = Cursor()
+    windows = []
+    for chunk in range(6):  # one read per chunk, in order
+        hints = Hints()
+        off = chunk * CHUNK_SIZE
+        policy.hint(cursor, off, off + CHUNK_SIZE, chunk, chunk, hints)
+        assert not hints.both and not hints.advise_only
+        windows.append(hints.fetch_only)
+    # Chunk 0 is the first read, chunk 1 the first in order; from chunk 2
+    # on, the window doubles (2, 4, 8) and each read hands on only chunks
+    # not handed on before.
+    assert windows[:2] == [[], []]
+    assert windows[2] == [3, 4] and windows[3] == [5, 6, 7] and windows[4] == list(range(8, 13))
+    assert windows[5] == [13]
+    hints = Hints()
+    policy.hint(cursor, 50 * CHUNK_SIZE, 51 * CHUNK_SIZE, 50, 50, hints)  # a jump: nothing, windows reset
+    assert not hints and cursor.window == 0 and cursor.ahead == -1
+    # The file's end bounds the window.
+    end = SequentialReadahead(PrefetchConfig(readahead_initial=8), nchunks=4)
+    cursor = Cursor()
+    got = Hints()
+    for chunk in range(3):
+        end.hint(cursor, chunk * CHUNK_SIZE, (chunk + 1) * CHUNK_SIZE, chunk, chunk, got)
+    assert got.fetch_only == [3]
+
+
+def test_btree_readahead_needs_a_header_and_the_option():
+    pub_header = b"SQLite format 3\x00" + bytes((16, 0)) + bytes(82)  # page size 4096
+    assert BtreeReadahead.for_replica(PrefetchConfig(), pub_header, 1 << 20).page_size == 4096
+    assert BtreeReadahead.for_replica(PrefetchConfig(btree=False), pub_header, 1 << 20) is None
+    assert BtreeReadahead.for_replica(PrefetchConfig(), b"not sqlite" * 20, 1 << 20) is None
+    assert BtreeReadahead.for_replica(PrefetchConfig(), None, 1 << 20) is None
+
+
+# -- a replica's hints ---------------------------------------------------------
+
+def test_sequential_readahead(tmp_path, local_store):
+    pub = _scan_db(tmp_path, local_store)
+    fetcher = Fetcher(local_store, None, concurrency=8)
+    r = replica_of(pub, fetcher, PrefetchConfig(btree=False))
+
+    async def go():
+        cursor = Cursor()
+        for off in range(0, r.size, 128 * 1024):
+            assert await r.read(off, 128 * 1024, cursor) == pub.data[off:off + 128 * 1024]
+        return fetcher.snapshot()
+
+    stats = run(fetcher, go)
+    assert stats["prefetch_hits"] > 0.7 * stats["store_fetches"]
+    assert stats["store_fetches"] == len(pub.chunks)  # nothing fetched twice
+
+
+def _sequential_read_hints(tmp_path, store, config: PrefetchConfig):
+    """Read a 40-chunk replica in order, 2 chunks per request, with its
+    first 30 chunks in the disk cache: (hints given to the fetcher as
+    (last chunk read, chunk, fetch, advise), the fetcher's stats)."""
+    pub = publish(store, os.urandom(40 * CHUNK_SIZE), "/ra.db")
+    index = {fp: i for i, fp in enumerate(pub.manifest.chunks)}
+    cache = ChunkCache(str(tmp_path / "cache"), 1 << 30)
+    for i, fp in enumerate(pub.manifest.chunks[:30]):
+        cache.put(fp, pub.data[i * CHUNK_SIZE : (i + 1) * CHUNK_SIZE])
+    hints: list[tuple[int, int, bool, bool]] = []
+    fetcher = Fetcher(store, cache)
+    real = fetcher.prefetch
+    last = [0]
+
+    def prefetch(fps, fetch=True, advise=True):
+        fps = list(fps)
+        hints.extend((last[0], index[fp], fetch, advise) for fp in fps)
+        return real(fps, fetch=fetch, advise=advise)
+
+    fetcher.prefetch = prefetch
+    r = replica_of(pub, fetcher, config)
+
+    async def go():
+        cursor = Cursor()
+        for off in range(0, r.size, 2 * CHUNK_SIZE):
+            last[0] = (off + 2 * CHUNK_SIZE - 1) // CHUNK_SIZE
+            assert await r.read(off, 2 * CHUNK_SIZE, cursor) == pub.data[off : off + 2 * CHUNK_SIZE]
+        return fetcher.stats
+
+    return hints, run(fetcher, go)
+
+
+def test_cached_chunks_left_to_the_kernel_with_cache_readahead_0(tmp_path, local_store):
+    """With cache_readahead_max=0 chunks already in the disk cache are
+    neither advised nor fetched ahead: a request's cached chunks are read in
+    the loop's thread; GETs of the others stay within ``readahead_max``."""
+    config = PrefetchConfig(btree=False, readahead_max=4, cache_readahead_max=0)
+    hints, stats = _sequential_read_hints(tmp_path, local_store, config)
+    assert hints and not any(advise for _, _, _, advise in hints)
+    assert all(i <= last + 4 for last, i, _, _ in hints)
+    assert stats["prefetch_advised"] == 0 and stats["gets"] == 10
+    # The 29 cached chunks (chunk 0 is in the manifest), and those fetched
+    # here that a later request found in the disk cache already.
+    assert stats["disk_hits_inline"] == stats["disk_hits"] >= 29
+
+
+def test_cache_readahead_runs_ahead_of_the_store_readahead(tmp_path, local_store):
+    """With ``cache_readahead_max`` a sequential read advises chunks already
+    in the disk cache up to that many ahead (no GET: a kernel readahead of the
+    cache's files), while GETs of chunks not cached stay within
+    ``readahead_max``."""
+    config = PrefetchConfig(btree=False, readahead_max=4, cache_readahead_max=16)
+    hints, stats = _sequential_read_hints(tmp_path, local_store, config)
+    fetchable = [(last, i) for last, i, fetch, _ in hints if fetch]
+    advisable = [(last, i) for last, i, _, advise in hints if advise]
+    assert fetchable and all(i <= last + 4 for last, i in fetchable)
+    assert all(i <= last + 16 for last, i in advisable)
+    assert max(i - last for last, i in advisable) == 16  # the cache window opened fully
+    assert {i for _, i in advisable} >= set(range(6, 30))  # every cached chunk ahead, once at least
+    # Once the window is open, advised in steps of half a window or more (each
+    # step is a thread hop), not a step per read; only the file's end cuts one.
+    steps: dict[int, list[int]] = {}
+    for last, i in advisable:
+        steps.setdefault(last, []).append(i)
+    opened = min(last for last, i in advisable if i - last == 16)
+    later = [sorted(v) for last, v in steps.items() if last > opened]
+    assert later and all(len(v) >= 8 or v[-1] == 39 for v in later), steps
+    assert len(later) < len(range(opened + 2, 40, 2))  # fewer steps than reads
+    assert stats["gets"] == 10 and stats["prefetch_started"] > 0  # the 10 chunks not cached
+
+
+def test_btree_prefetch_follows_a_scan_not_a_point_query(tmp_path, local_store):
+    pub = _scan_db(tmp_path, local_store)
+    fetcher = Fetcher(local_store, None, concurrency=8)
+    r = replica_of(pub, fetcher)
+
+    async def go():
+        bt = r._btree
+        ps = bt.page_size
+        # Learn every interior page (as reads of them would).
+        for i in range(r.nchunks):
+            await r.read(i * CHUNK_SIZE, 1)
+        parent = max(bt.children, key=lambda p: len(bt.children[p]))
+        kids = bt.children[parent]
+        assert len(kids) > 8
+        # A point query: one child. No prefetch.
+        before = fetcher.stats["prefetch_requested"]
+        await r.read((kids[3] - 1) * ps, ps, Cursor())
+        assert fetcher.stats["prefetch_requested"] == before
+        # A scan: consecutive children, read in key order -> the next ones are asked for.
+        await r.read((kids[4] - 1) * ps, ps, Cursor())
+        assert fetcher.stats["prefetch_requested"] > before
+        return True
+
+    assert run(fetcher, go)
