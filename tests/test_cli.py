@@ -22,8 +22,9 @@ from copier_support import Writer, vfs_available
 
 VECTORS = pathlib.Path(__file__).parent / "data" / "umash_verneuil.json"
 CTL = [sys.executable, "-m", "verneuil_fuse.cli"]
-SUBCOMMANDS = ["fingerprint", "manifest-name", "copier", "flush", "sync", "restore", "ls",
-               "manifest", "lag", "versions"]
+# Every subcommand, in the order `verneuilctl --help` lists them.
+SUBCOMMANDS = ["fingerprint", "manifest-name", "sqlite-extension", "copier", "flush", "sync",
+               "restore", "versions", "ls", "manifest", "lag", "repair", "query"]
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +147,41 @@ def test_help_for_every_subcommand():
         with pytest.raises(SystemExit) as e:
             cli.main([name, "--help"])
         assert e.value.code == 0
+    # build_parser adds exactly these, in this order (the order of --help).
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    assert list(sub.choices) == SUBCOMMANDS
+
+
+def test_verneuil_config_is_read_by_the_store_layer(monkeypatch, tmp_path):
+    """VERNEUIL_CONFIG unset or blank is "nothing configured" alike for the
+    store layer, the config module and verneuilctl; set, all three use it."""
+    from verneuil_fuse import config
+    from verneuil_fuse.store import ConfigError
+    from verneuil_fuse.store.config import env_config, env_config_present
+
+    args = cli.build_parser().parse_args(["lag", "--spool", str(tmp_path)])
+    for value in (None, "", " \n"):
+        if value is None:
+            monkeypatch.delenv("VERNEUIL_CONFIG", raising=False)
+        else:
+            monkeypatch.setenv("VERNEUIL_CONFIG", value)
+        assert env_config() is None and not env_config_present()
+        assert config.load_optional() == {}
+        assert cli._open_store(args, required=False) is None
+        with pytest.raises(ConfigError, match="no store given and VERNEUIL_CONFIG is not set"):
+            config.load()
+        with pytest.raises(ConfigError, match="set replication_spooling_dir in VERNEUIL_CONFIG"):
+            config.spool_dir(None)
+    value = json.dumps({"replication_spooling_dir": str(tmp_path / "spool"),
+                        "replication_targets": [{"directory": {"path": str(tmp_path / "store")}}]})
+    monkeypatch.setenv("VERNEUIL_CONFIG", value)
+    assert env_config() == value and env_config_present()
+    assert config.spool_dir(None) == str(tmp_path / "spool")
+    store = cli._open_store(args, required=False)
+    try:
+        assert store.url == "file://%s" % (tmp_path / "store")
+    finally:
+        store.close()
 
 
 # -- the replication commands on a directory store ---------------------------------------

@@ -227,3 +227,23 @@ def test_help_lists_start_up_options():
     opts = mount.parse_args(["s", "m", "-o", "profile=replicas,credentials_file=c,start_retry=2.5"])
     assert (opts.profile, opts.credentials_file, opts.start_retry) == ("replicas", "c", 2.5)
     assert mount.parse_args(["s", "m"]).start_retry == 0
+
+
+def test_stats_hold_the_mount_section(tmp_path):
+    """The layers a mount serves from, built and torn down without FUSE:
+    the catalog's stats carry the mount's own section, read fresh each time."""
+    pytest.importorskip("pyfuse3")
+    (tmp_path / "store" / "manifests").mkdir(parents=True)
+    (tmp_path / "mnt").mkdir()
+    opts = mount.parse_args([str(tmp_path / "store"), str(tmp_path / "mnt"), "-o", "cache_size=0"])
+    layers = mount._build_layers(opts, mount.check_source(opts))
+    try:
+        assert layers.cache is None
+        assert layers.catalog.stats()["mount"] == {
+            "source": "file://%s/store?create=false" % tmp_path, "mountpoint": str(tmp_path / "mnt"),
+            "pid": os.getpid(), "read_errors": 0, "handler_errors": 0, "ready": False,
+            "cache_dir": None}
+        layers.ready = True
+        assert layers.catalog.stats()["mount"]["ready"] is True
+    finally:
+        mount._tear_down(opts, layers)

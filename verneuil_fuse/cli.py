@@ -32,7 +32,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from . import __version__
 from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UserError
@@ -47,7 +47,8 @@ def _open_store(args, required: bool = True, read_only: bool = False):
     nothing is configured.  `read_only`: a missing directory store is an
     error instead of being created."""
     from .store import StoreError, open_store, parse_config, store_target
-    if not required and args.store is None and not os.environ.get("VERNEUIL_CONFIG", "").strip():
+    from .store.config import env_config_present
+    if not required and args.store is None and not env_config_present():
         return None
     try:
         spec = args.store
@@ -497,7 +498,8 @@ def _pick_version_at(args, store) -> None:
     """Set args.version_id to the version of the database current at
     --at (the newest whose time is at or before it)."""
     from . import format as fmt
-    from .history import format_time, version_at
+    from .copier.versions import version_at
+    from .history import format_time
     at_ns = _parse_at(args.at)
     name = _manifest_key(args)
     version, infos = version_at(store, name, at_ns,
@@ -562,7 +564,7 @@ def cmd_restore(args) -> int:
 def cmd_versions(args) -> int:
     """Every stored version of one database, oldest first."""
     from . import format as fmt
-    from .history import check_chunks, list_history, load_all
+    from .copier.versions import check_chunks, list_history, load_all
     store = _open_store(args, read_only=True)
     try:
         name = _manifest_key(args)
@@ -934,7 +936,7 @@ def cmd_repair(args) -> int:
     return EXIT_OK
 
 
-# -- argument parsing ---------------------------------------------------------------
+# -- query --------------------------------------------------------------------------
 
 def cmd_query(args) -> int:
     try:
@@ -963,6 +965,8 @@ def cmd_query(args) -> int:
         raise UserError(why if why.startswith("query failed") else "query failed: %s" % why) from None
     return EXIT_OK
 
+
+# -- argument parsing ---------------------------------------------------------------
 
 def _not_negative(convert, noun: str):
     """An argparse type: `convert` (int, float) of the text, 0 or more."""
@@ -1025,7 +1029,18 @@ def _add_flush_limits(p: argparse.ArgumentParser) -> None:
                         % FLUSH_STALL_SECONDS)
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _Parents(NamedTuple):
+    """Option groups shared by several subcommands (argparse parent
+    parsers, without -h): each subcommand lists the ones it takes."""
+    common: argparse.ArgumentParser  # -v, -q
+    store: argparse.ArgumentParser   # --store
+    spool: argparse.ArgumentParser   # --spool
+    target: argparse.ArgumentParser  # which manifest: --hostname, -s, -m, --manifest-file, --version-id
+    pacing: argparse.ArgumentParser  # the copier's --rate, --burst, --workers, ...
+
+
+def _parent_parsers() -> _Parents:
+    """The shared option groups, each built once for every subcommand."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="count", default=0,
                         help="more logging (-vv for debug)")
@@ -1057,7 +1072,11 @@ def build_parser() -> argparse.ArgumentParser:
     pacing.add_argument("--db-workers", type=int, help="databases handled at once (default 4)")
     pacing.add_argument("--lock-timeout", type=_positive_float,
                         help="seconds to wait for a database's copier lock (default 5)")
+    return _Parents(common, store, spool, target, pacing)
 
+
+def _main_parser() -> argparse.ArgumentParser:
+    """The top-level parser and the flags it takes before the subcommand."""
     parser = argparse.ArgumentParser(
         prog="verneuilctl",
         description="Replicate, inspect and restore SQLite databases (Verneuil-compatible).")
@@ -1067,9 +1086,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="more logging (-vv for debug)")
     parser.add_argument("-q", "--quiet", dest="quiet0", action="store_true", help="errors only")
     parser.add_argument("--version", action="version", version="verneuilctl " + __version__)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    return parser
 
-    p = sub.add_parser("fingerprint", parents=[common],
+
+def _add_fingerprint(sub, parents: _Parents) -> None:
+    p = sub.add_parser("fingerprint", parents=[parents.common],
                        help="UMASH fingerprint of a file's bytes",
                        description="Print the 128-bit UMASH fingerprint of FILE's bytes, spelled "
                                    "%016x%2F%016x (a chunk name).")
@@ -1082,7 +1103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE", help="input file ('-' for stdin)")
     p.set_defaults(func=cmd_fingerprint)
 
-    p = sub.add_parser("manifest-name", parents=[common],
+
+def _add_manifest_name(sub, parents: _Parents) -> None:
+    p = sub.add_parser("manifest-name", parents=[parents.common],
                        help="manifest blob name of a database path",
                        description="Print the manifest blob name of PATH on HOST (default: this "
                                    "host, and PATH made canonical).")
@@ -1090,13 +1113,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="PATH")
     p.set_defaults(func=cmd_manifest_name)
 
-    p = sub.add_parser("sqlite-extension", parents=[common],
+
+def _add_sqlite_extension(sub, parents: _Parents) -> None:
+    p = sub.add_parser("sqlite-extension", parents=[parents.common],
                        help="path of the loadable SQLite extension (for .load)",
                        description="Print the path of the writer's loadable SQLite extension, "
                                    "for the sqlite3 shell: .load $(verneuilctl sqlite-extension)")
     p.set_defaults(func=cmd_sqlite_extension)
 
-    p = sub.add_parser("copier", parents=[common, store, spool, pacing],
+
+def _add_copier(sub, parents: _Parents) -> None:
+    p = sub.add_parser("copier", parents=[parents.common, parents.store, parents.spool, parents.pacing],
                        help="copy a spool to a store until SIGTERM/SIGINT",
                        description="Run a copier daemon. Any number may run on one spool.")
     p.add_argument("--poll-interval", type=_positive_float,
@@ -1107,14 +1134,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 for every interface)")
     p.set_defaults(func=cmd_copier)
 
-    p = sub.add_parser("flush", parents=[common, store, spool, pacing],
+
+def _add_flush(sub, parents: _Parents) -> None:
+    p = sub.add_parser("flush", parents=[parents.common, parents.store, parents.spool, parents.pacing],
                        help="upload everything pending in a spool, once",
                        description="Upload every pending snapshot; exit 0 only when the store "
                                    "holds them all.")
     _add_flush_limits(p)
     p.set_defaults(func=cmd_flush)
 
-    p = sub.add_parser("sync", parents=[common, store, spool, pacing],
+
+def _add_sync(sub, parents: _Parents) -> None:
+    p = sub.add_parser("sync", parents=[parents.common, parents.store, parents.spool, parents.pacing],
                        help="force a snapshot of databases through the VFS, then flush them",
                        description="Open each DB with the verneuil VFS, commit a no-op write "
                                    "transaction (so the VFS publishes a snapshot), then upload.")
@@ -1122,7 +1153,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("db", nargs="+", metavar="DB", help="database file")
     p.set_defaults(func=cmd_sync)
 
-    p = sub.add_parser("restore", parents=[common, store, target],
+
+def _add_restore(sub, parents: _Parents) -> None:
+    p = sub.add_parser("restore", parents=[parents.common, parents.store, parents.target],
                        help="rebuild a database file from the store",
                        description="Fetch a manifest and its chunks, verify every chunk, and "
                                    "write the database atomically (temp file + rename).")
@@ -1140,7 +1173,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_db_size(p)
     p.set_defaults(func=cmd_restore)
 
-    p = sub.add_parser("versions", parents=[common, store],
+
+def _add_versions(sub, parents: _Parents) -> None:
+    p = sub.add_parser("versions", parents=[parents.common, parents.store],
                        help="every stored version of a database, oldest first",
                        description="List every version of one database's manifest in the store "
                                    "(a versioned bucket, or a directory store's kept versions), "
@@ -1160,7 +1195,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_db_size(p)
     p.set_defaults(func=cmd_versions)
 
-    p = sub.add_parser("ls", parents=[common, store],
+
+def _add_ls(sub, parents: _Parents) -> None:
+    p = sub.add_parser("ls", parents=[parents.common, parents.store],
                        help="replicated databases in a store",
                        description="List replicated databases: host, path, size, ctime, versions.")
     p.add_argument("--hostname", help="only this host's databases")
@@ -1170,7 +1207,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_db_size(p)
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("manifest", parents=[common, store, target],
+
+def _add_manifest(sub, parents: _Parents) -> None:
+    p = sub.add_parser("manifest", parents=[parents.common, parents.store, parents.target],
                        help="decode one manifest",
                        description="Decode and validate one manifest; human-readable or JSON.")
     p.add_argument("--json", action="store_true", help="JSON output (includes the chunk list)")
@@ -1178,7 +1217,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_db_size(p)
     p.set_defaults(func=cmd_manifest)
 
-    p = sub.add_parser("lag", parents=[common, store, spool],
+
+def _add_lag(sub, parents: _Parents) -> None:
+    p = sub.add_parser("lag", parents=[parents.common, parents.store, parents.spool],
                        help="how far each database in a spool is behind",
                        description="For each database in the spool: pending snapshots, staged "
                                    "chunks and bytes, staged manifest age, and (with a store) "
@@ -1187,7 +1228,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-store", action="store_true", help="do not compare with the store")
     p.set_defaults(func=cmd_lag)
 
-    p = sub.add_parser("repair", parents=[common, store, spool],
+
+def _add_repair(sub, parents: _Parents) -> None:
+    p = sub.add_parser("repair", parents=[parents.common, parents.store, parents.spool],
                        help="upload again, from the source files, chunks a store has lost",
                        description="For each database: fetch its current manifest from the "
                                    "store, find the chunks the store lacks, and upload those "
@@ -1212,7 +1255,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store requests in flight at once (default 8)")
     p.set_defaults(func=cmd_repair)
 
-    p = sub.add_parser("query", parents=[common],
+
+def _add_query(sub, parents: _Parents) -> None:
+    p = sub.add_parser("query", parents=[parents.common],
                        help="one SQL query over many databases, with Spark",
                        description="Run SQL on every SQLite database under MOUNT_OR_GLOB (a "
                                    "directory such as a verneuil mount, a glob, or files) with "
@@ -1232,6 +1277,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", choices=("fail", "skip", "report"), default="fail",
                    help="a database that fails: fail the job, skip it, or report it in _error")
     p.set_defaults(func=cmd_query)
+
+
+# The subcommands, in the order `verneuilctl --help` lists them: each adds
+# its parser to the subparsers action, taking the shared option groups.
+_SUBCOMMANDS = (
+    _add_fingerprint, _add_manifest_name, _add_sqlite_extension, _add_copier, _add_flush,
+    _add_sync, _add_restore, _add_versions, _add_ls, _add_manifest, _add_lag, _add_repair,
+    _add_query,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """verneuilctl's parser: the global flags, then one subparser per command."""
+    parents = _parent_parsers()
+    parser = _main_parser()
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in _SUBCOMMANDS:
+        add(sub, parents)
     return parser
 
 

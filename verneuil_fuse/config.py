@@ -1,9 +1,10 @@
 """Configuration shared by the command-line tools: where the store and the
 spool are, and the copier's settings.
 
-The store spec syntax belongs to `verneuil_fuse.store.config`; this module
-only decides which spec applies (`--store`, else VERNEUIL_CONFIG) and reads
-the keys around it:
+The store spec syntax, and the VERNEUIL_CONFIG environment variable, belong
+to `verneuil_fuse.store.config`; this module only decides which spec applies
+(`--store`, else VERNEUIL_CONFIG, asked of the store layer) and reads the keys
+around it:
 
 - `replication_spooling_dir` (Verneuil's key): the spool directory;
 - `copier` (this project's addition, optional): an object with any of
@@ -12,12 +13,11 @@ the keys around it:
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
-from .store import ConfigError, parse_config
+from .store import ENV_VAR, ConfigError, parse_config
+from .store.config import env_config_present
 
-ENV_VAR = "VERNEUIL_CONFIG"
 SPOOL_KEY = "replication_spooling_dir"
 COPIER_KEY = "copier"
 COPIER_OPTIONS = {"rate": float, "burst": int, "workers": int, "db_workers": int,
@@ -32,7 +32,7 @@ def load(store_arg: Optional[str] = None) -> dict[str, Any]:
 
 def load_optional(store_arg: Optional[str] = None) -> dict[str, Any]:
     """Like `load`, but {} when nothing is configured at all."""
-    if store_arg is None and not os.environ.get(ENV_VAR, "").strip():
+    if store_arg is None and not env_config_present():
         return {}
     return load(store_arg)
 

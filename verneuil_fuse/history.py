@@ -21,19 +21,16 @@ seconds, ``T`` or a space between date and time, and a zone ``Z``,
 ``-2h``, ``-30m``, ``-1d``, ``-1h30m``, ``-90s``, ``-1w``.  `format_time`
 writes the form `parse_time` reads back to the nanosecond (UTC, ``Z``).
 
-Used by `verneuilctl versions` / `restore --at` (the blocking helpers at the
-end) and by the mount's past states (`catalog`, through `newest_at_async`).
+Used by `verneuilctl versions` / `restore --at` (through `copier.versions`,
+which reads the versions from the store) and by the mount's past states
+(`reader.past`, through `newest_at_async`).
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import logging
 import re
 import time
 from typing import Any, Awaitable, Callable, Optional
-
-log = logging.getLogger(__name__)
 
 NS = 1_000_000_000
 # Latest time accepted from a manifest, in seconds: 2**63 - 1 nanoseconds
@@ -148,101 +145,3 @@ async def newest_at_async(count: int, at_ns: int,
         else:
             hi = mid
     return lo - 1 if lo > 0 else None
-
-
-# -- blocking helpers (verneuilctl) --------------------------------------------
-
-@dataclasses.dataclass
-class Version:
-    """One version of a database's manifest, read (or not) from the store."""
-
-    info: Any  # store.VersionInfo
-    time_ns: int
-    time_source: str  # "manifest" or "store"
-    manifest: Any = None  # format.Manifest, None when unreadable
-    error: Optional[str] = None
-    missing_chunks: Optional[int] = None  # None: not checked
-
-    def describe(self) -> dict:
-        m = self.manifest
-        out = {"version_id": self.info.version_id, "time": format_time(self.time_ns),
-               "time_ns": self.time_ns, "time_source": self.time_source,
-               "store_time": format_time(int(self.info.mtime * NS)), "blob_size": self.info.size,
-               "is_latest": self.info.is_latest, "size": m.len if m is not None else None,
-               "chunks": len(m.chunks) if m is not None else None,
-               "missing_chunks": self.missing_chunks,
-               "complete": None if self.missing_chunks is None and self.error is None
-               else (self.error is None and self.missing_chunks == 0)}
-        if self.error is not None:
-            out["error"] = self.error
-        return out
-
-
-def load_version(store, key: str, info, max_db_size: int) -> Version:
-    """The version `info` of manifest `key`, decoded (base chunk fetched)
-    when possible; an unreadable one gets the store's time and an error."""
-    from .copier.restore import RestoreError, fetch_manifest
-    try:
-        m = fetch_manifest(store, key, info.version_id, max_db_size=max_db_size)
-    except RestoreError as e:
-        t, source = version_time_ns(None, info.mtime)
-        return Version(info, t, source, error=str(e))
-    t, source = version_time_ns(m, info.mtime)
-    return Version(info, t, source, manifest=m)
-
-
-def list_history(store, key: str) -> list:
-    """The VersionInfo of every version of `key`, oldest first."""
-    return list(reversed(store.manifests.list_versions(key)))
-
-
-def load_all(store, key: str, infos: list, *, max_db_size: int, workers: int) -> list[Version]:
-    """Every version of `infos` read, `workers` at a time, in the same order."""
-    from .copier.pool import DaemonPool
-    pool = DaemonPool(max(1, workers), name="history")
-    try:
-        results = pool.map(lambda info: load_version(store, key, info, max_db_size), infos)
-    finally:
-        pool.close()
-    out = []
-    for ok, value in results:
-        if not ok:
-            raise value
-        out.append(value)
-    return out
-
-
-def check_chunks(store, versions: list[Version], *, workers: int) -> None:
-    """Set `missing_chunks` of every readable version: one existence check
-    per distinct chunk of them all, `workers` at a time."""
-    from .copier.pool import DaemonPool
-    from .copier.repair import find_missing, live_chunks
-    needed: dict = {}
-    for v in versions:
-        if v.manifest is not None:
-            needed.update(dict.fromkeys(live_chunks(v.manifest)))
-    pool = DaemonPool(max(1, workers), name="history-check")
-    try:
-        missing = set(find_missing(store, list(needed), pool))
-    finally:
-        pool.close()
-    for v in versions:
-        if v.manifest is not None:
-            v.missing_chunks = sum(1 for fp in live_chunks(v.manifest) if fp in missing)
-
-
-def version_at(store, key: str, at_ns: int, *, max_db_size: int) -> tuple[Optional[Version], list]:
-    """(the version current at `at_ns` or None, every VersionInfo oldest
-    first), reading O(log n) manifests."""
-    infos = list_history(store, key)
-    loaded: dict[int, Version] = {}
-
-    def time_of(index: int) -> int:
-        if index not in loaded:
-            loaded[index] = load_version(store, key, infos[index], max_db_size)
-        return loaded[index].time_ns
-
-    index = newest_at(len(infos), at_ns, time_of)
-    log.debug("%s at %s: version %s of %d (%d manifests read)", key, format_time(at_ns),
-              index, len(infos), len(loaded))
-    return (loaded[index] if index is not None else None), infos

@@ -49,6 +49,11 @@ become ``{"replication_targets": [target]}``) so that other modules can read
 other keys (``replication_spooling_dir``, ...).  `Store.url` is a canonical
 URL for the store, accepted by `open_store` in another process.
 
+This module names ``VERNEUIL_CONFIG`` (`ENV_VAR`) and is the only reader of
+it on the reader and CLI side: `env_config` returns its value and
+`env_config_present` tells whether it is set, for the modules above that
+fall back to it (`verneuil_fuse.config`, `verneuilctl`).
+
 Every problem raises `ConfigError` with a one-line message a CLI can print;
 messages never echo credentials.
 """
@@ -132,11 +137,27 @@ def _quote_spec(text: str) -> str:
 # -- parsing -----------------------------------------------------------------
 
 
+def env_config() -> str | None:
+    """The value of `ENV_VAR` as set, or None when it is unset or blank.
+    The one place the reader and CLI side read that variable (the writer VFS,
+    which imports nothing of this package, reads it on its own)."""
+    value = os.environ.get(ENV_VAR)
+    if value is None or not value.strip():
+        return None
+    return value
+
+
+def env_config_present() -> bool:
+    """Whether `ENV_VAR` holds a configuration (set and not blank): the
+    default that a spec of None stands for."""
+    return env_config() is not None
+
+
 def parse_config(spec: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The configuration named by `spec`, as a Verneuil-shaped dict."""
     if spec is None:
-        value = os.environ.get(ENV_VAR)
-        if value is None or not value.strip():
+        value = env_config()
+        if value is None:
             raise ConfigError(
                 f"no store given and {ENV_VAR} is not set "
                 "(use file:///dir, s3://bucket?..., @config.json or JSON)"
