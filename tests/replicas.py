@@ -279,6 +279,15 @@ class Mount(FuseProcess):
         self.source = source
         self.options = options
 
+    @classmethod
+    def under(cls, root: str, source: str, options: str = "") -> "Mount":
+        """A mount of ``source`` on ``root``/mnt, its disk cache in
+        ``root``/cache and its log (level info) in ``root``/verneuil.log;
+        ``options`` come after those."""
+        base = "cache_dir=%s,log_level=info,log_file=%s" % (os.path.join(root, "cache"),
+                                                             os.path.join(root, "verneuil.log"))
+        return cls(source, os.path.join(root, "mnt"), base + ("," + options if options else ""))
+
     def command(self) -> list[str]:
         import sys
 

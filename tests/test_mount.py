@@ -107,17 +107,11 @@ def env(request, tmp_path_factory):
             e.store.chunks.put(pub_fp.name, os.urandom(CHUNK_SIZE))
         else:
             e.store.chunks.delete(pub_fp.name)
-    e.mount = Mount(
-        e.url,
-        os.path.join(e.root, "mnt"),
-        "cache_dir=%s,refresh=0.5,retries=1,timeout=5,log_level=info,log_file=%s"
-        % (os.path.join(e.root, "cache"), os.path.join(e.root, "verneuil.log")),
-    )
-    e.mount.start()
+    e.mount = Mount.under(e.root, e.url, "refresh=0.5,retries=1,timeout=5")
     try:
-        yield e
+        with e.mount:
+            yield e
     finally:
-        e.mount.stop()
         e.store.close()
 
 
@@ -734,3 +728,139 @@ def test_sigterm_unmounts(env):
         assert not is_mounted(m.mountpoint)
     finally:
         m.stop()
+
+
+# ------------------------------------------------------------ many databases
+FLEET_SIZE = 1000
+
+
+class Fleet:
+    """A store of FLEET_SIZE small databases and a mount of it."""
+
+    def __init__(self, root, store):
+        self.root = str(root)
+        self.store = store
+        self.sources: dict[str, bytes] = {}
+        self.mount: Mount | None = None
+
+    def put(self, i: int, data: bytes | None = None) -> str:
+        data = data if data is not None else b"SQLite format 3\0" + i.to_bytes(4, "big") + os.urandom(700)
+        path = "/tenants/t%04d.db" % i
+        publish(self.store, data, path)
+        where = "/%s%s" % (HOST, path)
+        self.sources[where] = data
+        return where
+
+    def stats(self) -> dict:
+        return self.mount.stats()
+
+    def rss(self) -> int:
+        with open("/proc/%d/status" % self.mount.proc.pid) as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """A directory store of FLEET_SIZE databases, mounted with polls every
+    2 s (a database found by name before a poll shows it is then likely)."""
+    from verneuil_fuse.store import open_store
+
+    root = tmp_path_factory.mktemp("fleet")
+    f = Fleet(root, open_store("file://%s/store" % root))
+    for i in range(FLEET_SIZE):
+        f.put(i)
+    # A store that has not changed for a minute: older than the catalog's
+    # settling time, so that no poll reads these manifests again.
+    mdir = os.path.join(f.root, "store", "manifests")
+    for name in os.listdir(mdir):
+        os.utime(os.path.join(mdir, name), (time.time() - 60,) * 2)
+    f.mount = Mount.under(f.root, f.store.url, "refresh=2")
+    try:
+        with f.mount:
+            yield f
+    finally:
+        f.store.close()
+
+
+def test_fleet_is_listed_by_name_and_read_at_lookup(fleet):
+    m = fleet.mount
+    before = fleet.stats()
+    names = os.listdir(m.path(HOST, "tenants"))
+    assert len(names) == FLEET_SIZE
+    # Listing cost no manifest GET: a mount reads manifests when looked up.
+    after = fleet.stats()
+    assert after["fetch"]["manifest_gets"] == before["fetch"]["manifest_gets"]
+    assert after["catalog"]["databases"] == FLEET_SIZE
+    for where in sorted(fleet.sources)[:10]:
+        assert os.stat(m.path(where)).st_size == len(fleet.sources[where])
+        assert _read(m.path(where)) == fleet.sources[where]
+    stats = fleet.stats()
+    assert stats["catalog"]["loads"] >= 10
+    assert set(sorted(fleet.sources)[:10]) <= set(stats["databases"])
+    out = subprocess.run(["ls", "-l", m.path(HOST, "tenants")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    sizes = [int(line.split()[4]) for line in out.stdout.splitlines()[1:]]
+    assert sizes == [len(fleet.sources[w]) for w in sorted(fleet.sources)]
+
+
+def test_fleet_memory_bound_over_1000_opens(fleet):
+    """Every database opened, read and closed in turn: at most
+    `decoded_limit` manifests stay decoded, the mount's RSS stops growing,
+    and a database opened again is decoded from the manifest cache, no GET."""
+    m = fleet.mount
+    wheres = sorted(fleet.sources)
+    rss = []
+    for n, where in enumerate(wheres):
+        with open(m.path(where), "rb") as f:
+            assert f.read() == fleet.sources[where]
+        if n in (299, len(wheres) - 1):
+            rss.append(fleet.rss())
+    cat = fleet.stats()["catalog"]
+    assert cat["decoded"] <= cat["decoded_limit"] < FLEET_SIZE, cat
+    assert cat["parks"] >= FLEET_SIZE - cat["decoded_limit"], cat
+    assert rss[1] - rss[0] < 30 << 20, rss  # 700 more databases opened: no more than noise
+    gets = fleet.stats()["fetch"]["manifest_gets"]
+    for where in wheres[:20]:  # parked long ago
+        assert _read(m.path(where)) == fleet.sources[where]
+    stats = fleet.stats()
+    assert stats["catalog"]["unparks"] >= 20
+    assert stats["fetch"]["manifest_gets"] == gets
+    assert stats["catalog"]["manifest_cache"]["hits"] >= 20
+
+
+def test_fleet_new_database_opens_at_once_by_path(fleet):
+    """A database published after the last poll opens by its path before
+    the next poll lists it (its manifest name follows from the path)."""
+    m = fleet.mount
+    for attempt in range(3):  # a poll may list it first: then try another
+        found = fleet.stats()["catalog"]["direct_found"]
+        where = fleet.put(FLEET_SIZE + attempt)
+        assert _read(m.path(where)) == fleet.sources[where]
+        if fleet.stats()["catalog"]["direct_found"] == found + 1:
+            break
+    else:
+        pytest.fail("every new database was listed by a poll before its lookup")
+    assert os.path.basename(where) in os.listdir(m.path(HOST, "tenants"))
+    # A name absent from the store is ENOENT, and SQLite's side files are
+    # not looked up in the store at all.
+    lookups = fleet.stats()["catalog"]["direct_lookups"]
+    assert not os.path.exists(m.path(HOST, "tenants", "nope.db"))
+    assert not os.path.exists(m.path(HOST, "tenants", "t0001.db-journal"))
+    assert fleet.stats()["catalog"]["direct_lookups"] == lookups + 1
+
+
+def test_fleet_changed_database_shows_new_version_after_one_poll(fleet):
+    """A new version reaches new opens after one poll, whether the database
+    was decoded (read at the poll) or known by name only (read at lookup)."""
+    m = fleet.mount
+    read_before, unread = "/%s/tenants/t0500.db" % HOST, "/%s/tenants/t0999.db" % HOST
+    assert _read(m.path(read_before)) == fleet.sources[read_before]
+    polls = fleet.stats()["refresh"]["polls"]
+    for where in (read_before, unread):
+        i = int(where[-7:-3])
+        fleet.put(i, b"SQLite format 3\0" + b"new version" + os.urandom(3 * CHUNK_SIZE))
+    wait_for(lambda: fleet.stats()["refresh"]["polls"] >= polls + 2, 20, "a poll after the change")
+    for where in (read_before, unread):
+        assert os.stat(m.path(where)).st_size == len(fleet.sources[where])
+        assert _read(m.path(where)) == fleet.sources[where]
+    assert fleet.stats()["mount"]["handler_errors"] == 0

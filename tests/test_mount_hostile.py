@@ -229,14 +229,30 @@ def test_mount_starts_in_time_and_serves_the_good_databases(hostile):
         assert out.stdout.strip() == "%d|%d" % want
 
 
-def test_times_out_of_range_are_clamped_and_ls_works(hostile):
-    h = hostile
+def stat_every_listed_file(h) -> set[str]:
+    """What `ls -l` does in every directory: list, then stat each name (which
+    reads its manifest). Returns the names whose manifest turned out not to
+    be valid (listed by name, then ENOENT)."""
+    gone = set()
     for d in ("times", "good", "bad", "junk", "tiny"):
         top = h.mount.path(HOST, d)
         if not os.path.isdir(top):
             continue
-        for name in os.listdir(top):  # what `ls -l` does
-            os.stat(os.path.join(top, name))
+        for name in os.listdir(top):
+            try:
+                os.stat(os.path.join(top, name))
+            except FileNotFoundError:
+                gone.add("/%s/%s" % (d, name))
+    return gone
+
+
+def test_times_out_of_range_are_clamped_and_ls_works(hostile):
+    h = hostile
+    gone = stat_every_listed_file(h)
+    # Only the hostile manifests and the junk, read at their first stat,
+    # turn out not to be databases.
+    skipped_paths = {"/bad/" + k.rsplit("%2F", 1)[-1] for k in h.skipped}
+    assert {g for g in gone if not g.startswith("/junk/")} <= skipped_paths
     out = subprocess.run(["ls", "-l", h.mount.path(HOST, "times")], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     now = time.time()
@@ -249,6 +265,13 @@ def test_times_out_of_range_are_clamped_and_ls_works(hostile):
 
 def test_hostile_manifests_are_skipped_with_a_log_line(hostile):
     h = hostile
+    # Once every blob is older than the catalog's settling time (a blob read
+    # while it may still change within its mtime's second is read again at
+    # its next lookup), every name is looked up, which reads its manifest.
+    time.sleep(max(0.0, h.written_at + SETTLE_SECONDS + 1 - time.time()))
+    polls = h.mount.stats()["refresh"]["polls"]
+    wait_for(lambda: h.mount.stats()["refresh"]["polls"] >= polls + 1, 20, "a poll past the settling time")
+    stat_every_listed_file(h)
     stats = h.mount.stats()
     bad = set(stats["refresh"]["bad_manifests"])
     for key in h.skipped:
@@ -259,16 +282,14 @@ def test_hostile_manifests_are_skipped_with_a_log_line(hostile):
     assert len(os.listdir(h.mount.path(HOST, "tiny"))) == 500
     assert not os.path.exists(h.mount.path(HOST, "junk"))
     assert stats["fetch"]["too_large"] >= 1  # the 6 GB object was never read
-    # Once every blob is older than the catalog's settling time (a blob is
-    # fetched again while it may still change within its mtime's second),
-    # no poll fetches any manifest again, the hostile ones included.
-    time.sleep(max(0.0, h.written_at + SETTLE_SECONDS + 1 - time.time()))
-    polls = h.mount.stats()["refresh"]["polls"]
-    wait_for(lambda: h.mount.stats()["refresh"]["polls"] >= polls + 1, 20, "a poll past the settling time")
+    # No poll fetches any manifest again, the hostile ones included, and
+    # they stay out of the tree.
     gets = h.mount.stats()["fetch"]["manifest_gets"]
     polls = h.mount.stats()["refresh"]["polls"]
     wait_for(lambda: h.mount.stats()["refresh"]["polls"] >= polls + 2, 20, "two more polls")
     assert h.mount.stats()["fetch"]["manifest_gets"] == gets
+    assert not os.path.exists(h.mount.path(HOST, "junk"))
+    assert not os.path.exists(h.mount.path(HOST, "bad", "bomb.db"))
 
 
 def test_oversized_chunk_and_lying_chunk_list_are_errors_not_short_reads(hostile):

@@ -1,4 +1,4 @@
-"""Catalog (tree, versions, freshness) and Replica (reads, prefetch), no FUSE."""
+"""Catalog (tree, lazy manifests, versions, freshness, hydration) and Replica reads, no FUSE."""
 from __future__ import annotations
 
 import os
@@ -6,11 +6,11 @@ import random
 
 import trio
 
-from replicas import HOST, make_db, publish, publish_large_base
+from replicas import HOST, publish, publish_large_base
 from verneuil_fuse.reader.catalog import Catalog, Directory, display_path
 from verneuil_fuse.reader.fetcher import Fetcher
 from verneuil_fuse.format import CHUNK_SIZE, manifest_name
-from verneuil_fuse.reader.replica import Cursor, PrefetchConfig, Replica
+from verneuil_fuse.reader.replica import Replica
 
 
 def test_display_paths():
@@ -26,6 +26,11 @@ def test_display_paths():
     # One very long file name.
     host, parts = display_path(manifest_name("/d/" + "n" * 300 + ".db", "h"))
     assert parts[0] == "d" and parts[-1].endswith("nnn.db") and len(parts) == 2
+
+
+async def first_replica(cat: Catalog) -> Replica:
+    """The first database of the tree, its manifest read and decoded."""
+    return await cat.decoded(next(iter(cat.entries.values())))
 
 
 def run(store, fn, **kw):
@@ -50,10 +55,10 @@ def test_tree_versions_and_removal(local_store):
     async def go(cat: Catalog):
         await cat.refresh(raise_errors=True)
         assert [n for n, _ in cat.listdir(1)] == [".verneuil", "h1", "h2"]
-        var = cat.lookup(cat.lookup(cat.lookup(1, "h1").inode, "var").inode, "db")
+        var = await cat.lookup((await cat.lookup((await cat.lookup(1, "h1")).inode, "var")).inode, "db")
         assert isinstance(var, Directory)
         assert [n for n, _ in cat.listdir(var.inode)] == ["a.db", "b.db"]
-        r1 = cat.lookup(var.inode, "a.db")
+        r1 = await cat.lookup(var.inode, "a.db")
         assert isinstance(r1, Replica) and r1.size == len(a1.data)
         assert await r1.read(0, 1 << 20) == a1.data
         cat.opened(r1)
@@ -61,11 +66,11 @@ def test_tree_versions_and_removal(local_store):
         # Same bytes uploaded again: same version, same inode.
         publish(local_store, a1.data, "/var/db/a.db", hostname="h1")
         await cat.refresh()
-        assert cat.lookup(var.inode, "a.db") is r1
+        assert await cat.lookup(var.inode, "a.db") is r1
         # A new version: a new inode for lookups; the old one still reads old bytes.
         a2 = publish(local_store, os.urandom(2 * CHUNK_SIZE), "/var/db/a.db", hostname="h1")
         await cat.refresh()
-        r2 = cat.lookup(var.inode, "a.db")
+        r2 = await cat.lookup(var.inode, "a.db")
         assert r2 is not r1 and r2.inode != r1.inode and r2.size == len(a2.data)
         assert cat.get(r1.inode) is r1
         assert await r1.read(0, 1 << 20) == a1.data
@@ -80,9 +85,13 @@ def test_tree_versions_and_removal(local_store):
         await cat.refresh()
         assert [n for n, _ in cat.listdir(1)] == [".verneuil", "h2"]
         assert cat.get(r2.inode) is None
+        # b.db was never looked up: its manifest was never read.
+        assert cat.stats()["catalog"]["loads"] == 1 and cat.fetcher.stats["manifest_gets"] == 3
+        assert set(cat.stats()["databases"]) == set()
+        x = await cat.lookup((await cat.lookup(1, "h2")).inode, "x.db")
         stats = cat.stats()
-        assert set(stats["databases"]) == {"/h2/x.db"}
-        assert stats["refresh"]["versions_seen"] == 4
+        assert set(stats["databases"]) == {"/h2/x.db"} and x.size == 200
+        assert stats["refresh"]["versions_seen"] == 3
 
     run(local_store, go)
 
@@ -100,7 +109,11 @@ def test_bad_manifest_is_skipped(local_store):
 
     async def go(cat):
         await cat.refresh()
-        names = [n for n, _ in cat.listdir(cat.lookup(1, "testhost").inode)]
+        top = (await cat.lookup(1, "testhost")).inode
+        # Listed by name; its first lookup reads it, and it leaves the tree.
+        assert [n for n, _ in cat.listdir(top)] == ["bad.db", "ok.db"]
+        assert await cat.lookup(top, "bad.db") is None
+        names = [n for n, _ in cat.listdir(top)]
         assert names == ["ok.db"] and cat.poll_errors == 1
         gets = cat.fetcher.stats["manifest_gets"]
         for _ in range(3):
@@ -110,7 +123,7 @@ def test_bad_manifest_is_skipped(local_store):
         # Fixed in the store: fetched again and served.
         good = publish(local_store, os.urandom(300), "/bad.db")
         await cat.refresh()
-        r = cat.lookup(cat.lookup(1, "testhost").inode, "bad.db")
+        r = await cat.decoded(await cat.lookup(top, "bad.db"))
         assert r is not None and await r.read(0, 1000) == good.data
         assert cat.stats()["refresh"]["bad_manifests"] == []
 
@@ -123,7 +136,7 @@ def test_reads_zero_chunks_and_eof(local_store):
 
     async def go(cat):
         await cat.refresh()
-        r = next(e.current for e in cat.entries.values())
+        r = await first_replica(cat)
         rng = random.Random(1)
         for _ in range(300):
             off = rng.randrange(len(data) + 10)
@@ -133,135 +146,6 @@ def test_reads_zero_chunks_and_eof(local_store):
         assert cat.fetcher.stats["gets"] == 1  # chunk 0 bundled, zeros synthesised
 
     run(local_store, go)
-
-
-def _scan_db(tmp_path, store):
-    path = str(tmp_path / "scan.db")
-    make_db(path, 6000, payload=300)
-    data = open(path, "rb").read()
-    return publish(store, data, "/scan.db")
-
-
-def test_sequential_readahead(tmp_path, local_store):
-    pub = _scan_db(tmp_path, local_store)
-
-    async def go(cat):
-        await cat.refresh()
-        r = next(e.current for e in cat.entries.values())
-        cursor = Cursor()
-        for off in range(0, r.size, 128 * 1024):
-            assert await r.read(off, 128 * 1024, cursor) == pub.data[off:off + 128 * 1024]
-        return cat.fetcher.snapshot()
-
-    stats = run(local_store, go, prefetch=PrefetchConfig(btree=False))
-    assert stats["prefetch_hits"] > 0.7 * stats["store_fetches"]
-    assert stats["store_fetches"] == len(pub.chunks)  # nothing fetched twice
-
-
-def _sequential_read_hints(tmp_path, store, config: PrefetchConfig):
-    """Read a 40-chunk replica in order, 2 chunks per request, with its
-    first 30 chunks in the disk cache: (hints given to the fetcher as
-    (last chunk read, chunk, fetch, advise), the fetcher's stats)."""
-    from verneuil_fuse.reader.cache import ChunkCache
-
-    pub = publish(store, os.urandom(40 * CHUNK_SIZE), "/ra.db")
-    index = {fp: i for i, fp in enumerate(pub.manifest.chunks)}
-    cache = ChunkCache(str(tmp_path / "cache"), 1 << 30)
-    for i, fp in enumerate(pub.manifest.chunks[:30]):
-        cache.put(fp, pub.data[i * CHUNK_SIZE : (i + 1) * CHUNK_SIZE])
-    hints: list[tuple[int, int, bool, bool]] = []
-
-    async def main():
-        fetcher = Fetcher(store, cache)
-        real = fetcher.prefetch
-        last = [0]
-
-        def prefetch(fps, fetch=True, advise=True):
-            fps = list(fps)
-            hints.extend((last[0], index[fp], fetch, advise) for fp in fps)
-            return real(fps, fetch=fetch, advise=advise)
-
-        fetcher.prefetch = prefetch
-        async with trio.open_nursery() as nursery:
-            fetcher.bind(nursery)
-            cat = Catalog(fetcher, prefetch=config)
-            cat.bind(nursery)
-            await cat.refresh()
-            r = next(e.current for e in cat.entries.values())
-            cursor = Cursor()
-            for off in range(0, r.size, 2 * CHUNK_SIZE):
-                last[0] = (off + 2 * CHUNK_SIZE - 1) // CHUNK_SIZE
-                assert await r.read(off, 2 * CHUNK_SIZE, cursor) == pub.data[off : off + 2 * CHUNK_SIZE]
-            nursery.cancel_scope.cancel()
-        return fetcher.stats
-
-    return hints, trio.run(main)
-
-
-def test_cached_chunks_left_to_the_kernel_with_cache_readahead_0(tmp_path, local_store):
-    """With cache_readahead_max=0 chunks already in the disk cache are
-    neither advised nor fetched ahead: a request's cached chunks are read in
-    the loop's thread; GETs of the others stay within ``readahead_max``."""
-    config = PrefetchConfig(btree=False, readahead_max=4, cache_readahead_max=0)
-    hints, stats = _sequential_read_hints(tmp_path, local_store, config)
-    assert hints and not any(advise for _, _, _, advise in hints)
-    assert all(i <= last + 4 for last, i, _, _ in hints)
-    assert stats["prefetch_advised"] == 0 and stats["gets"] == 10
-    # The 29 cached chunks (chunk 0 is in the manifest), and those fetched
-    # here that a later request found in the disk cache already.
-    assert stats["disk_hits_inline"] == stats["disk_hits"] >= 29
-
-
-def test_cache_readahead_runs_ahead_of_the_store_readahead(tmp_path, local_store):
-    """With ``cache_readahead_max`` a sequential read advises chunks already
-    in the disk cache up to that many ahead (no GET: a kernel readahead of the
-    cache's files), while GETs of chunks not cached stay within
-    ``readahead_max``."""
-    config = PrefetchConfig(btree=False, readahead_max=4, cache_readahead_max=16)
-    hints, stats = _sequential_read_hints(tmp_path, local_store, config)
-    fetchable = [(last, i) for last, i, fetch, _ in hints if fetch]
-    advisable = [(last, i) for last, i, _, advise in hints if advise]
-    assert fetchable and all(i <= last + 4 for last, i in fetchable)
-    assert all(i <= last + 16 for last, i in advisable)
-    assert max(i - last for last, i in advisable) == 16  # the cache window opened fully
-    assert {i for _, i in advisable} >= set(range(6, 30))  # every cached chunk ahead, once at least
-    # Once the window is open, advised in steps of half a window or more (each
-    # step is a thread hop), not a step per read; only the file's end cuts one.
-    steps: dict[int, list[int]] = {}
-    for last, i in advisable:
-        steps.setdefault(last, []).append(i)
-    opened = min(last for last, i in advisable if i - last == 16)
-    later = [sorted(v) for last, v in steps.items() if last > opened]
-    assert later and all(len(v) >= 8 or v[-1] == 39 for v in later), steps
-    assert len(later) < len(range(opened + 2, 40, 2))  # fewer steps than reads
-    assert stats["gets"] == 10 and stats["prefetch_started"] > 0  # the 10 chunks not cached
-
-
-def test_btree_prefetch_follows_a_scan_not_a_point_query(tmp_path, local_store):
-    pub = _scan_db(tmp_path, local_store)
-    data = pub.data
-
-    async def go(cat):
-        await cat.refresh()
-        r = next(e.current for e in cat.entries.values())
-        bt = r._btree
-        ps = bt.page_size
-        # Learn every interior page (as reads of them would).
-        for i in range(r.nchunks):
-            await r.read(i * CHUNK_SIZE, 1)
-        parent = max(bt.children, key=lambda p: len(bt.children[p]))
-        kids = bt.children[parent]
-        assert len(kids) > 8
-        # A point query: one child. No prefetch.
-        before = cat.fetcher.stats["prefetch_requested"]
-        await r.read((kids[3] - 1) * ps, ps, Cursor())
-        assert cat.fetcher.stats["prefetch_requested"] == before
-        # A scan: consecutive children, read in key order -> the next ones are asked for.
-        await r.read((kids[4] - 1) * ps, ps, Cursor())
-        assert cat.fetcher.stats["prefetch_requested"] > before
-        return True
-
-    assert run(local_store, go)
 
 
 def test_base_chunk_manifest(local_store):
@@ -284,7 +168,7 @@ def test_base_chunk_manifest(local_store):
 
     async def go(cat):
         await cat.refresh(raise_errors=True)
-        r = next(e.current for e in cat.entries.values())
+        r = await first_replica(cat)
         assert r.manifest.chunks == manifest.chunks
         assert await r.read(0, len(data) + 1) == data
 
@@ -334,7 +218,7 @@ def test_hydrate_fills_the_disk_cache(local_store, tmp_path):
             await cat.refresh()
             h = await state()
             assert (h["state"], h["chunks"], h["fetched"], h["failed"]) == ("done", 1, 1, 0), h
-            assert all(fetcher.cache.contains(fp) for fp in chunks)
+            assert all(fetcher.cache.has_blocking(fp) for fp in chunks)
             gets = fetcher.stats["gets"]
             # A new version: only its new chunk is fetched.
             data = bytearray(pub.data)
@@ -345,7 +229,7 @@ def test_hydrate_fills_the_disk_cache(local_store, tmp_path):
             h = await state()
             assert (h["state"], h["chunks"], h["fetched"]) == ("done", 1, 1), h
             assert h["version"] == cat.stats()["databases"]["/%s/h.db" % HOST]["version"]
-            assert fetcher.cache.contains(v2.manifest.chunks[5]) and fetcher.stats["gets"] == gets + 1
+            assert fetcher.cache.has_blocking(v2.manifest.chunks[5]) and fetcher.stats["gets"] == gets + 1
             nursery.cancel_scope.cancel()
         return fetcher.stats
 
@@ -405,6 +289,10 @@ def test_hydrate_warns_once_when_the_databases_exceed_the_cache(local_store, tmp
             cat = Catalog(fetcher, hydrate=True)
             cat.bind(nursery)
             await cat.refresh()
+            with trio.fail_after(10):  # hydration reads the manifests, then the chunks
+                while {d["hydration"]["state"] for d in cat.stats()["databases"].values()} - {"done", "incomplete"}:
+                    await trio.sleep(0.02)
+            await cat.refresh()
             await cat.refresh()
             nursery.cancel_scope.cancel()
 
@@ -439,8 +327,8 @@ def test_first_open_stores_bundled_chunks_in_the_page_cache(local_store, monkeyp
         nonlocal refuse
         await cat.refresh(raise_errors=True)
         fs = VerneuilFS(cat)
-        h = cat.lookup(1, "h").inode
-        ra, rb = cat.lookup(h, "a.db"), cat.lookup(h, "b.db")
+        h = (await cat.lookup(1, "h")).inode
+        ra, rb = await cat.lookup(h, "a.db"), await cat.lookup(h, "b.db")
         fh1 = (await fs.open(ra.inode, os.O_RDONLY, None)).fh
         fh2 = (await fs.open(ra.inode, os.O_RDONLY, None)).fh
         await fs.release(fh1)
@@ -467,10 +355,116 @@ def test_base_chunk_as_long_as_a_large_list(local_store):
     async def go(cat):
         await cat.refresh(raise_errors=True)
         assert cat.stats()["refresh"]["bad_manifests"] == []
-        r = next(e.current for e in cat.entries.values())
+        r = await first_replica(cat)
         assert r.size == size and list(r.manifest.chunks) == list(manifest.chunks)
         n = len(manifest.chunks)
         assert await r.read((n - 2) * CHUNK_SIZE, 2 * CHUNK_SIZE) == real[n - 2] + real[n - 1]
         assert await r.read(1000 * CHUNK_SIZE, 4096) == bytes(4096)
+
+    run(local_store, go)
+
+
+def _settled(store) -> None:
+    """Every manifest blob older than the settling time (as a store that
+    has not changed for a while)."""
+    for name in os.listdir(store.manifests.root):
+        path = os.path.join(store.manifests.root, name)
+        if os.path.isfile(path):
+            os.utime(path, (os.stat(path).st_mtime - 60,) * 2)
+
+
+def test_manifests_read_on_lookup_and_parked_past_the_bound(local_store, tmp_path):
+    """A poll reads names only; a lookup reads one manifest; past
+    `decoded_limit` idle versions are parked and decoded again from the
+    manifest cache without a GET; an open version is never parked."""
+    from verneuil_fuse.reader.catalog import Parked
+    from verneuil_fuse.reader.manifests import ManifestCache
+
+    pubs = [publish(local_store, os.urandom(CHUNK_SIZE + i), "/t/%d.db" % i) for i in range(5)]
+    _settled(local_store)
+    mc = ManifestCache(str(tmp_path / "cache"), "test-store")
+
+    async def go(cat: Catalog):
+        await cat.refresh(raise_errors=True)
+        assert cat.fetcher.stats["manifest_gets"] == 0 and len(cat.entries) == 5
+        t = (await cat.lookup((await cat.lookup(1, "testhost")).inode, "t")).inode
+        first = await cat.lookup(t, "0.db")
+        assert isinstance(first, Replica) and cat.fetcher.stats["manifest_gets"] == 1
+        cat.opened(first)  # open: stays decoded whatever the bound
+        for i in range(1, 5):
+            r = await cat.lookup(t, "%d.db" % i)
+            assert await r.read(0, 1 << 20) == pubs[i].data
+        assert cat.stats()["catalog"]["decoded"] == 2
+        assert cat.get(first.inode) is first
+        parked = cat.get((await cat.lookup(t, "1.db")).inode)
+        assert isinstance(parked, Parked) and parked.size == len(pubs[1].data)
+        gets = cat.fetcher.stats["manifest_gets"]
+        again = await cat.decoded(parked)
+        assert isinstance(again, Replica) and again.inode == parked.inode
+        assert await again.read(0, 1 << 20) == pubs[1].data
+        assert cat.fetcher.stats["manifest_gets"] == gets and mc.hits >= 1
+        # Unchanged store: a poll costs no GET.
+        await cat.refresh()
+        assert cat.fetcher.stats["manifest_gets"] == gets
+        cat.released(first)
+        assert cat.stats()["catalog"]["decoded"] == 2
+
+    run(local_store, go, manifest_cache=mc, decoded_limit=2)
+    mc.close()
+
+
+def test_parked_version_gone_from_the_store_is_stale(local_store):
+    """Without a manifest cache, a parked version is read again from the
+    store; when the store moved on, it is Stale (ESTALE for the open)."""
+    from verneuil_fuse.reader.catalog import Parked, Stale
+
+    publish(local_store, os.urandom(100), "/a.db")
+    publish(local_store, os.urandom(100), "/b.db")
+    _settled(local_store)
+
+    async def go(cat: Catalog):
+        await cat.refresh()
+        h = (await cat.lookup(1, "testhost")).inode
+        a = await cat.lookup(h, "a.db")
+        await cat.lookup(h, "b.db")  # parks a
+        parked = cat.get(a.inode)
+        assert isinstance(parked, Parked)
+        publish(local_store, os.urandom(200), "/a.db")  # no poll yet
+        try:
+            await cat.decoded(parked)
+        except Stale:
+            pass
+        else:
+            raise AssertionError("a version the store no longer has was served")
+        assert cat.stats()["catalog"]["stale"] == 1
+        await cat.refresh()
+        new = await cat.decoded(await cat.lookup(h, "a.db"))
+        assert new.size == 200 and new.inode != a.inode
+
+    run(local_store, go, decoded_limit=1)
+
+
+def test_unlisted_database_is_found_by_name(local_store):
+    """A database published after the poll is found by its manifest name at
+    lookup (one GET); an absent name costs one GET until the next poll;
+    SQLite's side files are never looked up in the store."""
+    publish(local_store, os.urandom(100), "/d/a.db")
+
+    async def go(cat: Catalog):
+        await cat.refresh()
+        d = (await cat.lookup((await cat.lookup(1, "testhost")).inode, "d")).inode
+        new = publish(local_store, os.urandom(300), "/d/new.db")
+        r = await cat.decoded(await cat.lookup(d, "new.db"))
+        assert await r.read(0, 1000) == new.data
+        assert [n for n, _ in cat.listdir(d)] == ["a.db", "new.db"]
+        gets = cat.fetcher.stats["manifest_gets"]
+        assert await cat.lookup(d, "nope.db") is None
+        assert await cat.lookup(d, "nope.db") is None
+        assert await cat.lookup(d, "a.db-journal") is None
+        assert cat.fetcher.stats["manifest_gets"] == gets + 1
+        await cat.refresh()  # the poll lists new.db; nope.db may be asked again
+        assert await cat.lookup(d, "nope.db") is None
+        assert cat.fetcher.stats["manifest_gets"] == gets + 2 + 1  # + new.db's listing changed its mtime
+        assert cat.stats()["catalog"]["direct_found"] == 1
 
     run(local_store, go)

@@ -37,7 +37,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import pyfuse3
 
-from verneuil_fuse.reader.catalog import Catalog, Directory, StatsFile
+from verneuil_fuse.reader.catalog import Catalog, DbEntry, Directory, Parked, Stale, StatsFile
 from verneuil_fuse.reader.fetcher import FetchError
 from verneuil_fuse.format import CHUNK_SIZE
 from verneuil_fuse.reader.replica import Cursor, Replica
@@ -144,7 +144,16 @@ class VerneuilFS(pyfuse3.Operations):
             a.st_size = 0
             t = node.mtime_ns
             a.entry_timeout = a.attr_timeout = self.dir_timeout
-        elif isinstance(node, Replica):
+        elif isinstance(node, DbEntry):
+            # Known by name only (a listing): no size yet. Handed to the
+            # kernel uncached, so that a stat looks it up (and reads it).
+            a.st_ino = node.inode
+            a.st_mode = stat.S_IFREG | 0o444
+            a.st_nlink = 1
+            a.st_size = 0
+            t = int(max(0.0, node.listed_mtime) * 1e9)
+            a.entry_timeout = a.attr_timeout = 0
+        elif isinstance(node, (Replica, Parked)):
             a.st_ino = node.inode
             a.st_mode = stat.S_IFREG | 0o444
             a.st_nlink = 1
@@ -177,13 +186,13 @@ class VerneuilFS(pyfuse3.Operations):
             node = self._node(parent_inode)
             node = node.parent or node if isinstance(node, Directory) else node
         else:
-            node = self.catalog.lookup(parent_inode, text)
-            if node is None and "@" in text:
-                try:
+            try:
+                node = await self.catalog.lookup(parent_inode, text)
+                if node is None and "@" in text:
                     node = await self.catalog.lookup_past(parent_inode, text)
-                except FetchError as e:
-                    log.error("lookup %s: %s", text, e)
-                    raise pyfuse3.FUSEError(STORE_ERRNO) from None
+            except FetchError as e:
+                log.error("lookup %s: %s", text, e)
+                raise pyfuse3.FUSEError(STORE_ERRNO) from None
         if node is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         self.catalog.remember(node)
@@ -196,7 +205,14 @@ class VerneuilFS(pyfuse3.Operations):
 
     @_guarded
     async def getattr(self, inode, ctx=None):
-        return self.attributes(self._node(inode))
+        try:
+            node = await self.catalog.materialize(self._node(inode))
+        except FetchError as e:
+            log.error("getattr of inode %d: %s", inode, e)
+            raise pyfuse3.FUSEError(STORE_ERRNO) from None
+        if node is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self.attributes(node)
 
     @_guarded
     async def access(self, inode, mode, ctx):
@@ -236,7 +252,7 @@ class VerneuilFS(pyfuse3.Operations):
     @_guarded
     async def statfs(self, ctx):
         s = pyfuse3.StatvfsData()
-        total = sum(e.current.size for e in self.catalog.entries.values())
+        total = self.catalog.known_bytes()
         s.f_bsize = s.f_frsize = CHUNK_SIZE
         s.f_blocks = -(-total // CHUNK_SIZE)
         s.f_bfree = s.f_bavail = 0
@@ -257,6 +273,18 @@ class VerneuilFS(pyfuse3.Operations):
         if isinstance(node, StatsFile):
             self._handles[fh] = _Handle(node, data=node.render())
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        try:
+            node = await self.catalog.decoded(node)
+        except Stale as e:
+            log.info("open: %s", e)
+            raise pyfuse3.FUSEError(errno.ESTALE) from None
+        except FetchError as e:
+            log.error("open of inode %d: %s", inode, e)
+            raise pyfuse3.FUSEError(STORE_ERRNO) from None
+        if not isinstance(node, Replica):
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if node.inode != inode:  # a newer version replaced what this inode named
+            raise pyfuse3.FUSEError(errno.ESTALE)
         self.catalog.opened(node)
         self._handles[fh] = _Handle(node)
         for off, data in node.take_preload() if self.preload else ():

@@ -26,12 +26,20 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from verneuil_fuse import __version__
 from verneuil_fuse.errors import EXIT_INTERRUPTED, EXIT_MOUNT, EXIT_SOURCE, EXIT_USAGE, UserError
 from verneuil_fuse.reader.fetcher import DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_CONCURRENCY, DEFAULT_DEADLINE
 from verneuil_fuse.format import CHUNK_SIZE, DEFAULT_MAX_DB_SIZE
 from verneuil_fuse.reader.replica import PrefetchConfig
+
+if TYPE_CHECKING:  # annotations only: `serve` imports these itself, so pyfuse3 loads only to mount
+    from verneuil_fuse.fs import VerneuilFS
+    from verneuil_fuse.reader.cache import ChunkCache
+    from verneuil_fuse.reader.catalog import Catalog
+    from verneuil_fuse.reader.fetcher import Fetcher
+    from verneuil_fuse.store import Store
 
 log = logging.getLogger("verneuil_fuse.mount")
 
@@ -612,24 +620,61 @@ async def first_listing(opts: Options, catalog) -> None:
             delay = min(delay * 2, START_RETRY_MAX_S)
 
 
-async def serve(opts: Options, store, ready) -> None:
-    """Build the layers, list the store, mount, call ``ready()``, serve."""
-    import pyfuse3
-    import trio
+@dataclass
+class _Layers:
+    """What a mount serves from, built by `_build_layers` and torn down by
+    `_tear_down`, with the state of the mount itself."""
+    store: Store
+    cache: ChunkCache | None  # None with cache_size=0
+    fetcher: Fetcher
+    catalog: Catalog
+    ops: VerneuilFS
+    ready: bool = False    # the mount is up and tuned: the stats' "ready"
+    mounted: bool = False  # pyfuse3.init succeeded and pyfuse3.close is still to come
 
+
+async def serve(opts: Options, store, ready) -> None:
+    """Build the layers, list the store, mount, call ``ready()``, serve until
+    an unmount or a signal, then unmount and close everything."""
+    layers = _build_layers(opts, store)
+    try:
+        await _serve_layers(opts, layers, ready)
+    finally:
+        _tear_down(opts, layers)
+
+
+def _open_disk_cache(opts: Options) -> ChunkCache | None:
+    """The chunk cache in cache_dir, or None with cache_size=0."""
     from verneuil_fuse.reader.cache import ChunkCache, default_cache_dir
+
+    if opts.cache_size <= 0:
+        return None
+    cache_dir = opts.cache_dir or default_cache_dir()
+    try:
+        return ChunkCache(cache_dir, opts.cache_size)
+    except OSError as e:
+        raise UserError("cannot use cache_dir %s: %s" % (cache_dir, e.strerror or e), EXIT_USAGE) from None
+
+
+def _prefetch_config(opts: Options) -> PrefetchConfig:
+    """The readahead and B-tree prefetch of the options (a window of 0
+    turns its kind of prefetch off)."""
+    return PrefetchConfig(
+        readahead=opts.readahead and opts.readahead_max > 0,
+        btree=opts.btree_prefetch and opts.btree_max > 0,
+        readahead_max=max(1, opts.readahead_max),
+        cache_readahead_max=opts.cache_readahead_max,
+        btree_max=max(1, opts.btree_max),
+    )
+
+
+def _build_layers(opts: Options, store) -> _Layers:
+    """Disk cache, fetcher, catalog and FUSE operations over ``store``."""
+    from verneuil_fuse.fs import VerneuilFS
     from verneuil_fuse.reader.catalog import Catalog
     from verneuil_fuse.reader.fetcher import Fetcher
-    from verneuil_fuse.fs import VerneuilFS
-    from verneuil_fuse.store import StoreError
 
-    cache = None
-    if opts.cache_size > 0:
-        cache_dir = opts.cache_dir or default_cache_dir()
-        try:
-            cache = ChunkCache(cache_dir, opts.cache_size)
-        except OSError as e:
-            raise UserError("cannot use cache_dir %s: %s" % (cache_dir, e.strerror or e), EXIT_USAGE) from None
+    cache = _open_disk_cache(opts)
     fetcher = Fetcher(
         store,
         cache,
@@ -641,76 +686,130 @@ async def serve(opts: Options, store, ready) -> None:
         deadline=opts.deadline,
         max_db_size=opts.max_db_size,
     )
-    prefetch = PrefetchConfig(
-        readahead=opts.readahead and opts.readahead_max > 0,
-        btree=opts.btree_prefetch and opts.btree_max > 0,
-        readahead_max=max(1, opts.readahead_max),
-        cache_readahead_max=opts.cache_readahead_max,
-        btree_max=max(1, opts.btree_max),
-    )
-    catalog = Catalog(fetcher, refresh_interval=opts.refresh, prefetch=prefetch, hydrate=opts.hydrate)
-    ops = VerneuilFS(catalog, entry_timeout=opts.entry_timeout)
-    state = {"ready": False}
-    catalog.extra_stats = lambda: {
-        "mount": {"source": store.url, "mountpoint": opts.mountpoint, "pid": os.getpid(),
-                  "read_errors": ops.read_errors, "handler_errors": ops.handler_errors,
-                  "ready": state["ready"],
-                  "cache_dir": cache.directory if cache else None}
-    }
-    mounted = False
+    catalog = Catalog(fetcher, refresh_interval=opts.refresh, prefetch=_prefetch_config(opts),
+                      hydrate=opts.hydrate, manifest_cache=_open_manifest_cache(cache, store),
+                      extra_stats=lambda: _mount_stats(opts, layers))
+    layers = _Layers(store, cache, fetcher, catalog, VerneuilFS(catalog, entry_timeout=opts.entry_timeout))
+    return layers
+
+
+def _open_manifest_cache(cache: ChunkCache | None, store):
+    """The manifests kept on disk beside the chunk cache (`reader/manifests.py`);
+    None without a disk cache, or when it cannot be opened (the store stays
+    the source of manifests)."""
+    from verneuil_fuse.reader.manifests import ManifestCache
+
+    if cache is None:
+        return None
     try:
-        async with trio.open_nursery() as writes:
-            async with trio.open_nursery() as nursery:
-                fetcher.bind(nursery, writes)
-                catalog.bind(nursery)
-                try:
-                    await first_listing(opts, catalog)
-                except StoreError as e:
-                    raise UserError("cannot list %s: %s" % (shown(opts.source), e), EXIT_SOURCE) from None
-                try:
-                    pyfuse3.init(ops, opts.mountpoint, opts.fuse)
-                except RuntimeError as e:
-                    raise UserError("cannot mount %s: %s" % (opts.mountpoint, e), EXIT_MOUNT) from None
-                mounted = ops.mounted = True
+        return ManifestCache(cache.directory, store.url)
+    except Exception as e:  # noqa: BLE001 - a mount without it still serves
+        log.warning("no manifest cache in %s: %s", cache.directory, e)
+        return None
 
-                async def settle() -> None:
-                    # Readahead first, then "ready": a file opened before the
-                    # tuning would keep the 128 KiB readahead while it is open.
-                    if opts.read_ahead_kb is None:
-                        await tune_kernel_readahead(opts.mountpoint, DEFAULT_READ_AHEAD_KB, False)
-                    else:
-                        await tune_kernel_readahead(opts.mountpoint, opts.read_ahead_kb, True)
-                    log.info("mounted %s on %s (%d databases)", store.url, opts.mountpoint, len(catalog.entries))
-                    state["ready"] = True
-                    ready()
 
-                nursery.start_soon(settle)
+def _mount_stats(opts: Options, layers: _Layers) -> dict:
+    """The mount's own section, "mount", of the catalog's stats
+    (/.verneuil/stats): the catalog asks on every read of them, so the
+    values are current ones."""
+    return {
+        "mount": {"source": layers.store.url, "mountpoint": opts.mountpoint, "pid": os.getpid(),
+                  "read_errors": layers.ops.read_errors, "handler_errors": layers.ops.handler_errors,
+                  "ready": layers.ready,
+                  "cache_dir": layers.cache.directory if layers.cache is not None else None}
+    }
 
-                async def on_signals() -> None:
-                    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-                        async for signum in signals:
-                            log.info("signal %d: unmounting", signum)
-                            pyfuse3.terminate()
-                            return
 
-                nursery.start_soon(on_signals)
-                nursery.start_soon(catalog.run)
-                await pyfuse3.main()
-                nursery.cancel_scope.cancel()
-            if mounted:
-                mounted = False
-                pyfuse3.close(unmount=True)
-                log.info("unmounted %s", opts.mountpoint)
-            # Flights cancelled, nothing mounted: the disk cache writes of
-            # chunks already downloaded may finish, for a bounded time.
-            writes.cancel_scope.deadline = trio.current_time() + CACHE_DRAIN_S
-    finally:
-        if mounted:
-            pyfuse3.close(unmount=True)
-            log.info("unmounted %s", opts.mountpoint)
-        if cache is not None:
-            cache.close()
-        store.close()
+async def _serve_layers(opts: Options, layers: _Layers, ready) -> None:
+    """List the store, mount, serve until ``pyfuse3.main`` returns, unmount,
+    then let the disk cache writes of chunks already downloaded finish, for
+    at most CACHE_DRAIN_S (the flights are cancelled, nothing is mounted)."""
+    import pyfuse3
+    import trio
+
+    async with trio.open_nursery() as writes:
+        async with trio.open_nursery() as nursery:
+            layers.fetcher.bind(nursery, writes)
+            layers.catalog.bind(nursery)
+            await _list_store(opts, layers.catalog)
+            _start_fuse(opts, layers)
+            nursery.start_soon(_settle, opts, layers, ready)
+            nursery.start_soon(_unmount_on_signal)
+            nursery.start_soon(layers.catalog.run)
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+        _unmount(opts, layers)
+        writes.cancel_scope.deadline = trio.current_time() + CACHE_DRAIN_S
+
+
+async def _list_store(opts: Options, catalog: Catalog) -> None:
+    """The first listing (`first_listing`); a store error as a UserError."""
+    from verneuil_fuse.store import StoreError
+
+    try:
+        await first_listing(opts, catalog)
+    except StoreError as e:
+        raise UserError("cannot list %s: %s" % (shown(opts.source), e), EXIT_SOURCE) from None
+
+
+def _start_fuse(opts: Options, layers: _Layers) -> None:
+    """Mount the file system (pyfuse3.init); a failure as a UserError."""
+    import pyfuse3
+
+    try:
+        pyfuse3.init(layers.ops, opts.mountpoint, opts.fuse)
+    except RuntimeError as e:
+        raise UserError("cannot mount %s: %s" % (opts.mountpoint, e), EXIT_MOUNT) from None
+    layers.mounted = layers.ops.mounted = True
+
+
+async def _settle(opts: Options, layers: _Layers, ready) -> None:
+    """Once mounted: tune the kernel's readahead, then mark the mount ready
+    and call ``ready()``. Readahead first: a file opened before the tuning
+    would keep the 128 KiB readahead while it is open."""
+    if opts.read_ahead_kb is None:
+        await tune_kernel_readahead(opts.mountpoint, DEFAULT_READ_AHEAD_KB, False)
+    else:
+        await tune_kernel_readahead(opts.mountpoint, opts.read_ahead_kb, True)
+    log.info("mounted %s on %s (%d databases)", layers.store.url, opts.mountpoint,
+             len(layers.catalog.entries))
+    layers.ready = True
+    ready()
+
+
+async def _unmount_on_signal() -> None:
+    """End ``pyfuse3.main`` (and so the mount) at the first SIGTERM, SIGINT
+    or SIGHUP."""
+    import pyfuse3
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("signal %d: unmounting", signum)
+            pyfuse3.terminate()
+            return
+
+
+def _unmount(opts: Options, layers: _Layers) -> None:
+    """Unmount, if mounted and not unmounted yet."""
+    if not layers.mounted:
+        return
+    import pyfuse3
+
+    layers.mounted = False
+    pyfuse3.close(unmount=True)
+    log.info("unmounted %s", opts.mountpoint)
+
+
+def _tear_down(opts: Options, layers: _Layers) -> None:
+    """However serving ended: unmount if still mounted, close the disk cache
+    and the store."""
+    _unmount(opts, layers)
+    if layers.cache is not None:
+        layers.cache.close()
+    if layers.catalog.manifest_cache is not None:
+        layers.catalog.manifest_cache.close()
+    layers.store.close()
 
 
 def _run(opts: Options, ready) -> int:

@@ -24,14 +24,35 @@ empty and ``.`` are dropped, ``..`` becomes ``%2E%2E``. A database whose path
 is also a directory of another one keeps the directory and is left out, with
 a warning.
 
+Names first, manifests on demand: a poll lists the manifest keys (with
+each blob's size and mtime) and builds the tree from the names alone. A
+database known only by name is a `DbEntry` with an inode of its own and no
+size: `ls` and `find` cost nothing more, and its attributes are handed to
+the kernel uncached. Its manifest is fetched and decoded when its name is
+looked up (a ``stat``, an ``open``), once, however many lookups wait on it.
+A name that is not in the tree, in a directory that is, is looked up in the
+store directly (its manifest name follows from the path), so a database
+written after the last poll opens at once.
+
 Versions: every manifest version that differs (chunk list or length) is a new
 `Replica` with a new inode; a lookup finds the newest. An older version stays
 reachable by inode while the kernel remembers it or a handle is open.
 
-Polling: each poll lists the manifest bucket; a manifest is fetched again only
-when its listed size or mtime changed, or when it was fetched less than
-``SETTLE_SECONDS`` after its listed mtime (so that two uploads within one
-second of the same size are not missed).
+Memory: per database known by name, a `DbEntry` (its names, the listed size
+and mtime, an inode: ~0.6 KB). At most ``decoded_limit`` manifests stay
+decoded (`Replica`): past that bound the least recently used versions that
+no handle has open are *parked*, down to a `Parked` record (size, mtime,
+version, counters), their blob left in the manifest cache on disk
+(`manifests.ManifestCache`); an open decodes it again, with no GET while the
+cache holds it. A parked version the store no longer serves opens with
+ESTALE (the kernel then looks the name up again).
+
+Polling: each poll lists the manifest bucket. A decoded database whose
+listed size or mtime changed, or whose manifest was fetched less than
+``SETTLE_SECONDS`` after its listed mtime (two uploads within one second of
+the same size must not be missed), is fetched again at once; any other
+database only forgets its manifest, fetched again at its next lookup. An
+unchanged store costs one listing and no GET.
 
 Past states: ``<database>@<time>`` (``app.db@2026-11-26T19:00:00Z``, any
 time `history.parse_time` reads) in a database's directory is resolved on
@@ -52,6 +73,7 @@ import os
 import re
 import stat
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -59,13 +81,14 @@ import trio
 from urllib.parse import unquote
 
 from verneuil_fuse import __version__, metrics
-from verneuil_fuse.reader.fetcher import Fetcher, HydrateProgress
-from verneuil_fuse.format import ManifestError, parse_manifest_name
+from verneuil_fuse.format import ManifestError, manifest_name, parse_manifest_name
 from verneuil_fuse.format.names import MANGLE_KEEP
 from verneuil_fuse.history import BadTime, parse_time
+from verneuil_fuse.reader.fetcher import FetchError, Fetcher, HydrateProgress
+from verneuil_fuse.reader.manifests import Cached, ManifestCache
 from verneuil_fuse.reader.past import PastStates, split_name
 from verneuil_fuse.reader.replica import PrefetchConfig, Replica
-from verneuil_fuse.store import StoreError, TooLarge
+from verneuil_fuse.store import NotFound, StoreError, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +111,22 @@ HYDRATE_RETRY_SECONDS = 60.0
 # only queue flights ahead of the readahead of the files being read (whose
 # prefetches are dropped past the fetcher's bound on prefetch flights).
 HYDRATE_AT_ONCE = 2
+# Decoded manifests kept in memory (see "Memory" above): a decoded small
+# database costs ~90 KB (its bundled chunk 0 is most of it), a 1 GiB one
+# ~0.5 MB more for its chunk list, so 256 stay within ~25-150 MB; versions
+# open in a handle are never parked, whatever the bound.
+DECODED_MANIFESTS = 256
+# Names SQLite looks for beside a database at every transaction (hot journal
+# and WAL checks): never looked up in the store by name, since a writer never
+# replicates them and each lookup would be a GET.
+SQLITE_SIDE_FILES = ("-journal", "-wal", "-shm")
+# Names remembered as absent from the store between two polls: beyond this
+# many (a scan of a directory for many random names), all are forgotten at
+# once, so the set stays small.
+ABSENT_NAMES_MAX = 10_000
+# The listed mtime of a database found by name before any listing showed it:
+# no real mtime, so the next listing counts as a change (one more GET).
+UNLISTED_MTIME = -1.0
 
 
 @dataclass
@@ -127,21 +166,52 @@ class _Hydration:
         return out
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class DbEntry:
-    """A database in the tree: its manifest key and its newest version."""
+    """A database in the tree, known by name from the listing.
+
+    ``current`` is its newest version when its manifest was read since the
+    listing last changed (a decoded `Replica` or a `Parked` one), else None:
+    then ``inode`` is the inode its next version gets, the catalog maps it
+    to this entry, and ``lookups`` counts the kernel's references to it."""
 
     key: str
     name: str
     parent: Directory = field(repr=False)
-    current: Replica
     size: int  # listed size of the manifest blob
     listed_mtime: float
-    fetched_at: float
+    inode: int
+    fetched_at: float = 0.0  # when its manifest was last fetched (0: not since listed)
+    current: "Replica | Parked | None" = field(default=None, repr=False)
+    lookups: int = 0
 
-    @property
-    def inode(self) -> int:
-        return self.current.inode
+
+@dataclass(slots=True, eq=False)
+class Parked:
+    """A version whose decoded manifest left memory (see the module
+    docstring): what its attributes and the stats need."""
+
+    key: str
+    path: str
+    inode: int
+    size: int
+    mtime_ns: int
+    version: str
+    nchunks: int
+    lookups: int
+    reads: int
+    read_bytes: int
+    preloaded: int
+    opens: int = 0
+
+    @classmethod
+    def of(cls, r: Replica) -> "Parked":
+        return cls(r.key, r.path, r.inode, r.size, r.mtime_ns, r.version, r.nchunks, r.lookups, r.reads,
+                   r.read_bytes, r.preloaded)
+
+
+class Stale(Exception):
+    """A parked version the store no longer serves (ESTALE)."""
 
 
 @dataclass
@@ -218,6 +288,9 @@ class Catalog:
         hydrate: bool = False,
         on_invalidate: Callable[[int, str], None] | None = None,
         clock: Callable[[], float] = time.time,
+        manifest_cache: ManifestCache | None = None,
+        decoded_limit: int = DECODED_MANIFESTS,
+        extra_stats: Callable[[], dict] | None = None,
     ):
         self.fetcher = fetcher
         self.refresh_interval = refresh_interval
@@ -225,6 +298,9 @@ class Catalog:
         self.hydrate = hydrate
         self.on_invalidate = on_invalidate
         self.clock = clock
+        self.manifest_cache = manifest_cache
+        self.decoded_limit = max(1, decoded_limit)
+        self.extra_stats = extra_stats
         self._next_inode = ROOT_INODE + 1
         now_ns = time.time_ns()
         self.root = Directory(ROOT_INODE, "", None, mtime_ns=now_ns)
@@ -237,6 +313,14 @@ class Catalog:
         self._bad: dict[str, tuple[int, float, float]] = {}
         self.last_poll = 0.0
         self.versions_seen = 0
+        self.counts = dict.fromkeys(("loads", "unparks", "parks", "stale", "direct_lookups", "direct_found"), 0)
+        # Decoded versions, least recently used first (see `decoded_limit`).
+        self._decoded: OrderedDict[int, Replica] = OrderedDict()
+        # Loads under way, by inode: later lookups wait for the first.
+        self._loading: dict[int, trio.Event] = {}
+        # Manifest keys looked up directly and absent from the store, until
+        # the next poll (see `_lookup_unlisted`).
+        self._absent: set[str] = set()
         self._hydrations: dict[str, _Hydration] = {}
         self._hydrate_slots = trio.Semaphore(HYDRATE_AT_ONCE)
         self._warned_cache_size = False
@@ -250,7 +334,6 @@ class Catalog:
         self.inodes[self.metrics_file.inode] = self.metrics_file
         self._control = control
         self.past = PastStates(fetcher, self._alloc, prefetch=self.prefetch)
-        self.extra_stats: Callable[[], dict] | None = None
 
     # ------------------------------------------------------------------ inodes
     def _alloc(self) -> int:
@@ -269,16 +352,66 @@ class Catalog:
         return d
 
     def get(self, inode: int) -> Any:
+        """What ``inode`` is: a Directory, a StatsFile, a Replica, a Parked
+        version, or a DbEntry not read yet (see `materialize`)."""
         return self.inodes.get(inode)
 
-    def lookup(self, parent_inode: int, name: str) -> Any:
+    async def lookup(self, parent_inode: int, name: str) -> Any:
+        """The node ``name`` in directory ``parent_inode``, its manifest read
+        if it is a database known by name only; None if there is none (or its
+        manifest is not valid). Store failures raise FetchError."""
         parent = self.inodes.get(parent_inode)
         if not isinstance(parent, Directory):
             return None
         node = parent.entries.get(name)
+        if node is None:
+            node = await self._lookup_unlisted(parent, name)
         if isinstance(node, DbEntry):
-            return node.current
+            return await self.materialize(node)
         return node
+
+    async def materialize(self, node: Any) -> Any:
+        """A node with its attributes known: a DbEntry's newest version
+        (read now if need be; None if it is not valid), anything else as is."""
+        if not isinstance(node, DbEntry):
+            if isinstance(node, Replica) and node.inode in self._decoded:
+                self._decoded.move_to_end(node.inode)
+            return node
+        entry = node
+        while entry.current is None:
+            if self.entries.get(entry.key) is not entry:
+                return None  # gone from the store meanwhile
+            waiting = self._loading.get(entry.inode)
+            if waiting is not None:
+                await waiting.wait()
+                continue
+            if not await self._single_flight(entry.inode, self._load_entry(entry)):
+                return None
+        return entry.current
+
+    async def decoded(self, node: Any) -> Any:
+        """``node`` ready to be opened: a parked version decoded again (Stale
+        if the store no longer has it), a DbEntry read; others as is."""
+        node = await self.materialize(node)
+        while isinstance(node, Parked):
+            if self.inodes.get(node.inode) is not node:
+                node = self.inodes.get(node.inode)
+                continue
+            waiting = self._loading.get(node.inode)
+            if waiting is not None:
+                await waiting.wait()
+            else:
+                await self._single_flight(node.inode, self._unpark(node))
+            node = self.inodes.get(node.inode)
+        return node
+
+    async def _single_flight(self, inode: int, work) -> Any:
+        done = self._loading[inode] = trio.Event()
+        try:
+            return await work
+        finally:
+            del self._loading[inode]
+            done.set()
 
     async def lookup_past(self, parent_inode: int, name: str) -> Replica | None:
         """The past state ``name`` (``<database>@<time>``) in directory
@@ -294,8 +427,9 @@ class Catalog:
             at_ns = parse_time(parts[1], now_ns=int(self.clock() * 1e9))
         except BadTime:
             return None
-        replica = await self.past.resolve(entry.key, os.path.join(parent.path, name), at_ns,
-                                          live=entry.current.version)
+        current = await self.materialize(entry)
+        live = current.version if current is not None else ""
+        replica = await self.past.resolve(entry.key, os.path.join(parent.path, name), at_ns, live=live)
         if replica is not None:
             self.inodes[replica.inode] = replica
         return replica
@@ -307,35 +441,215 @@ class Catalog:
         out = []
         for name in sorted(d.entries):
             node = d.entries[name]
-            out.append((name, node.current if isinstance(node, DbEntry) else node))
+            if isinstance(node, DbEntry) and node.current is not None:
+                node = node.current
+            out.append((name, node))
         return out
 
     def remember(self, node: Any) -> None:
         """The kernel learnt an inode (lookup/readdirplus)."""
-        if isinstance(node, Replica):
+        if isinstance(node, (Replica, Parked, DbEntry)):
             node.lookups += 1
 
     def forget(self, inode: int, nlookup: int) -> None:
         node = self.inodes.get(inode)
-        if isinstance(node, Replica):
+        if isinstance(node, DbEntry):
+            node.lookups = max(0, node.lookups - nlookup)
+            if node.lookups == 0 and self.entries.get(node.key) is not node:
+                self.inodes.pop(inode, None)
+        elif isinstance(node, (Replica, Parked)):
             node.lookups = max(0, node.lookups - nlookup)
             self._maybe_drop(node)
 
     def opened(self, replica: Replica) -> None:
         replica.opens += 1
+        if replica.inode in self._decoded:
+            self._decoded.move_to_end(replica.inode)
 
     def released(self, replica: Replica) -> None:
         replica.opens -= 1
         self._maybe_drop(replica)
+        if replica.opens <= 0:
+            self._trim()
 
-    def _is_current(self, replica: Replica) -> bool:
-        entry = self.entries.get(replica.key)
-        return entry is not None and entry.current is replica
+    def _is_current(self, node: Any) -> bool:
+        entry = self.entries.get(node.key)
+        return entry is not None and entry.current is node
 
-    def _maybe_drop(self, replica: Replica) -> None:
-        if replica.lookups <= 0 and replica.opens <= 0 and not self._is_current(replica):
-            self.inodes.pop(replica.inode, None)
-            self.past.forget(replica)
+    def _maybe_drop(self, node: Any) -> None:
+        if node.lookups <= 0 and node.opens <= 0 and not self._is_current(node):
+            if self.inodes.get(node.inode) is node:
+                del self.inodes[node.inode]
+            self._decoded.pop(node.inode, None)
+            if isinstance(node, Replica):
+                self.past.forget(node)
+
+    # ------------------------------------------------------- decoded versions
+    def _keep_decoded(self, replica: Replica) -> None:
+        self._decoded[replica.inode] = replica
+        self._decoded.move_to_end(replica.inode)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Park the least recently used decoded versions that no handle has
+        open, down to ``decoded_limit`` (open ones stay, whatever the bound)."""
+        if len(self._decoded) <= self.decoded_limit:
+            return
+        for inode in list(self._decoded):
+            if len(self._decoded) <= self.decoded_limit:
+                break
+            replica = self._decoded[inode]
+            if replica.opens > 0:
+                continue
+            del self._decoded[inode]
+            if self.inodes.get(inode) is not replica:
+                continue
+            parked = Parked.of(replica)
+            self.inodes[inode] = parked
+            entry = self.entries.get(replica.key)
+            if entry is not None and entry.current is replica:
+                entry.current = parked
+            self.counts["parks"] += 1
+
+    async def _unpark(self, parked: Parked) -> None:
+        """Decode a parked version again (from the manifest cache, else the
+        store); Stale when neither has that version any more."""
+        self.counts["unparks"] += 1
+        blob = None
+        cached = await self._cache_get(parked.key)
+        if cached is not None and cached.version == parked.version:
+            blob = cached.blob
+        manifest = None
+        if blob is not None:
+            try:
+                manifest = await self.fetcher.decode_manifest(blob)
+            except (ManifestError, TooLarge) as e:
+                log.warning("manifest cache: %s does not decode (%s); read from the store", parked.path, e)
+        if manifest is None:
+            try:
+                blob = await self._fetch_blob(parked.key)
+                manifest = await self.fetcher.decode_manifest(blob)
+            except (ManifestError, TooLarge, NotFound) as e:
+                raise Stale("%s: version %s is gone (%s)" % (parked.path, parked.version[:16], e)) from None
+        if manifest.contents_fprint.hex() != parked.version:
+            self.counts["stale"] += 1
+            raise Stale("%s: version %s is no longer in the store" % (parked.path, parked.version[:16]))
+        if self.inodes.get(parked.inode) is not parked:
+            return  # forgotten meanwhile
+        replica = Replica(key=parked.key, path=parked.path, manifest=manifest, fetcher=self.fetcher,
+                          inode=parked.inode, mtime_ns=parked.mtime_ns, prefetch=self.prefetch)
+        replica.lookups, replica.reads = parked.lookups, parked.reads
+        replica.read_bytes, replica.preloaded = parked.read_bytes, parked.preloaded
+        self.inodes[parked.inode] = replica
+        entry = self.entries.get(parked.key)
+        if entry is not None and entry.current is parked:
+            entry.current = replica
+        self._keep_decoded(replica)
+
+    # ---------------------------------------------------------- reading names
+    async def _load_entry(self, entry: DbEntry) -> bool:
+        """Read and decode the manifest of ``entry`` (known by name only),
+        from the manifest cache when it holds the listed blob; install it as
+        the entry's newest version. False when it is not valid."""
+        self.counts["loads"] += 1
+        cached = await self._cache_get(entry.key)
+        fetched_at = 0.0
+        blob = None
+        if (cached is not None and (cached.size, cached.mtime) == (entry.size, entry.listed_mtime)
+                and cached.fetched_at - cached.mtime >= SETTLE_SECONDS):
+            blob, fetched_at = cached.blob, cached.fetched_at
+        try:
+            if blob is None:
+                blob = await self._fetch_blob(entry.key)
+                fetched_at = self.clock()
+            manifest = await self.fetcher.decode_manifest(blob)
+        except NotFound:
+            log.info("database %s is gone from the store", os.path.join(entry.parent.path, entry.name))
+            self._remove(entry.key)
+            return False
+        except (ManifestError, TooLarge) as e:
+            self.poll_errors += 1
+            if not (isinstance(e, ManifestError) and e.rule == "base-chunk"):
+                self._bad[entry.key] = (entry.size, entry.listed_mtime, fetched_at or self.clock())
+            log.warning("cannot load manifest %s: %s", entry.key, e)
+            self._remove(entry.key)
+            return False
+        if self.entries.get(entry.key) is not entry:
+            return False
+        await self._cache_put(entry, fetched_at, manifest, blob)
+        self._install(entry, manifest, fetched_at)
+        return True
+
+    async def _fetch_blob(self, key: str) -> bytes:
+        try:
+            return await self.fetcher.get_manifest_blob(key)
+        except (NotFound, TooLarge):
+            raise
+        except StoreError as e:
+            raise FetchError("manifest %s: %s" % (key, e)) from None
+
+    async def _cache_get(self, key: str) -> Cached | None:
+        if self.manifest_cache is None:
+            return None
+        return await trio.to_thread.run_sync(self.manifest_cache.get, key)
+
+    async def _cache_put(self, entry: DbEntry, fetched_at: float, manifest, blob: bytes) -> None:
+        if self.manifest_cache is None:
+            return
+        record = Cached(entry.size, entry.listed_mtime, fetched_at, manifest.contents_fprint.hex(), bytes(blob))
+        await trio.to_thread.run_sync(self.manifest_cache.put, entry.key, record)
+
+    async def _lookup_unlisted(self, parent: Directory, name: str) -> DbEntry | None:
+        """A database not in the tree, looked up by its manifest name (one
+        GET): found, it joins the tree at once. Only in a host's directories,
+        not for SQLite's own side files (a writer never replicates them,
+        and a reader asks for them at every transaction), and once per name
+        between two polls."""
+        parts = []
+        node: Directory | None = parent
+        while node is not None and node.parent is not None:
+            parts.append(node.name)
+            node = node.parent
+        parts.reverse()
+        if not parts or parts[0] == CONTROL_DIR or name.endswith(SQLITE_SIDE_FILES) or "@" in name:
+            return None
+        host, path = parts[0], "/" + "/".join(parts[1:] + [name])
+        try:
+            key = manifest_name(path, host)
+        except ValueError:
+            return None
+        if (key in self._absent or key in self.entries or key in self._bad
+                or display_path(key) != (host, parts[1:] + [name])):
+            return None
+        if len(self._absent) >= ABSENT_NAMES_MAX:
+            self._absent.clear()
+        self.counts["direct_lookups"] += 1
+        try:
+            blob = await self._fetch_blob(key)
+        except NotFound:
+            self._absent.add(key)
+            return None
+        except TooLarge as e:
+            self._bad[key] = (-1, UNLISTED_MTIME, self.clock())
+            log.warning("cannot load manifest %s: %s", key, e)
+            return None
+        except FetchError as e:
+            log.warning("lookup of %s in the store: %s", path, e)
+            return None
+        entry = self._add(key, len(blob), UNLISTED_MTIME)
+        if entry is None:
+            return None
+        self.counts["direct_found"] += 1
+        log.info("new database %s (found by name)", os.path.join(parent.path, name))
+        try:
+            manifest = await self.fetcher.decode_manifest(blob)
+        except (ManifestError, TooLarge) as e:
+            self._bad[key] = (entry.size, entry.listed_mtime, self.clock())
+            log.warning("cannot load manifest %s: %s", key, e)
+            self._remove(key)
+            return None
+        self._install(entry, manifest, self.clock())
+        return entry
 
     # ----------------------------------------------------------------- refresh
     def _place(self, key: str) -> tuple[Directory, str] | None:
@@ -355,6 +669,24 @@ class Catalog:
                 return None
             d = self._mkdir(d, part)
         return d, parts[-1]
+
+    def _add(self, key: str, size: int, mtime: float) -> DbEntry | None:
+        """A database known by name only joins the tree."""
+        placed = self._place(key)
+        if placed is None:
+            return None
+        parent, name = placed
+        if name in parent.entries:
+            log.warning("%s: %s already names another entry; skipped", key, os.path.join(parent.path, name))
+            return None
+        entry = DbEntry(key, name, parent, size, mtime, self._alloc())
+        self.entries[key] = entry
+        parent.entries[name] = entry
+        self.inodes[entry.inode] = entry
+        parent.mtime_ns = time.time_ns()
+        if self.hydrate and self._nursery is not None:
+            self._start_hydration(key)
+        return entry
 
     def bind(self, nursery: trio.Nursery) -> None:
         """Background work (hydration) runs in this nursery."""
@@ -382,31 +714,64 @@ class Catalog:
                 raise
             log.warning("cannot list manifests: %s", e)
             return
-        now = self.clock()
-        self.last_poll = now
-        listed = {info.key: info for info in infos}
+        self.last_poll = self.clock()
+        self._absent.clear()
+        listed = set()
+        added = 0
         todo = []
-        for key, info in listed.items():
-            bad = self._bad.get(key)
-            if bad is not None and bad[:2] == (info.size, info.mtime) and bad[2] - info.mtime >= SETTLE_SECONDS:
-                continue  # the same broken blob as last time
+        for info in infos:
+            key = info.key
+            listed.add(key)
             entry = self.entries.get(key)
-            if (
-                entry is None
-                or entry.size != info.size
-                or entry.listed_mtime != info.mtime
-                or entry.fetched_at - info.mtime < SETTLE_SECONDS
-            ):
-                todo.append(info)
+            if entry is None:
+                bad = self._bad.get(key)
+                if bad is None or bad[:2] != (info.size, info.mtime) or bad[2] - info.mtime < SETTLE_SECONDS:
+                    self._bad.pop(key, None)
+                    added += self._add(key, info.size, info.mtime) is not None
+                continue
+            if (entry.size == info.size and entry.listed_mtime == info.mtime
+                    and (entry.current is None or entry.fetched_at - info.mtime >= SETTLE_SECONDS)):
+                continue
+            if isinstance(entry.current, Replica):
+                todo.append((entry, info))
+            else:
+                self._relist(entry, info.size, info.mtime)
+        if added:
+            log.info("%d new database(s) in the store (%d in all)", added, len(self.entries))
+        await self._reload(todo)
+        for key in self.entries.keys() - listed:
+            self._remove(key)
+        for key in self._bad.keys() - listed:
+            del self._bad[key]
+        if self.hydrate and self._nursery is not None:
+            self._after_poll_hydration()
+
+    def _relist(self, entry: DbEntry, size: int, mtime: float) -> None:
+        """The listing of a database not decoded changed: it forgets its
+        version, read again at its next lookup under a new inode."""
+        entry.size, entry.listed_mtime, entry.fetched_at = size, mtime, 0.0
+        old = entry.current
+        if old is None:
+            return
+        entry.current, entry.lookups = None, 0
+        entry.inode = self._alloc()
+        self.inodes[entry.inode] = entry
+        self._maybe_drop(old)
+        if self.on_invalidate is not None:
+            self.on_invalidate(entry.parent.inode, entry.name)
+
+    async def _reload(self, todo: list[tuple[DbEntry, Any]]) -> None:
+        """Fetch again the manifests of decoded databases whose listing
+        changed, in parallel; install the new versions."""
         results: dict[str, Any] = {}
 
-        async def load(info) -> None:
+        async def load(entry: DbEntry, info) -> None:
             fetched_at = self.clock()
             try:
                 blob = await self.fetcher.get_manifest_blob(info.key)
                 fetched_at = self.clock()
                 manifest = await self.fetcher.decode_manifest(blob)
-                results[info.key] = (info, manifest, fetched_at)
+                results[info.key] = (entry, info, manifest, fetched_at, blob)
                 self._bad.pop(info.key, None)
             except ManifestError as e:
                 self.poll_errors += 1
@@ -427,75 +792,75 @@ class Catalog:
                 log.exception("cannot load manifest %s", info.key)
 
         async with trio.open_nursery() as nursery:
-            for info in todo:
-                nursery.start_soon(load, info)
+            for entry, info in todo:
+                nursery.start_soon(load, entry, info)
         for key in sorted(results):
-            info, manifest, fetched_at = results[key]
-            self._install(key, info, manifest, fetched_at)
-        for key in [k for k in self.entries if k not in listed]:
-            self._remove(key)
-        for key in [k for k in self._bad if k not in listed]:
-            del self._bad[key]
-        if self.hydrate and self._nursery is not None:
-            self._after_poll_hydration()
+            entry, info, manifest, fetched_at, blob = results[key]
+            if self.entries.get(key) is not entry:
+                continue
+            if key in self._bad:
+                self._remove(key)
+                continue
+            entry.size, entry.listed_mtime = info.size, info.mtime
+            await self._cache_put(entry, fetched_at, manifest, blob)
+            self._install(entry, manifest, fetched_at)
+        for entry, info in todo:  # a reload that failed for good: out of the tree until it changes
+            if info.key in self._bad and self.entries.get(info.key) is entry:
+                self._remove(info.key)
 
-    def _install(self, key: str, info, manifest, fetched_at: float) -> None:
-        entry = self.entries.get(key)
-        if entry is not None:
-            old = entry.current.manifest
-            same = (
-                old.contents_fprint == manifest.contents_fprint
-                and old.len == manifest.len
-                and old.header_fprint == manifest.header_fprint
-            )
-            entry.size, entry.listed_mtime, entry.fetched_at = info.size, info.mtime, fetched_at
-            if same:
+    def _install(self, entry: DbEntry, manifest, fetched_at: float) -> None:
+        """``manifest`` is the newest version of ``entry``: a new Replica
+        unless it equals the current one."""
+        entry.fetched_at = fetched_at
+        old = entry.current
+        if old is not None:
+            old_version = old.version if isinstance(old, Parked) else old.manifest.contents_fprint.hex()
+            if (old_version == manifest.contents_fprint.hex() and old.size == manifest.len
+                    and (isinstance(old, Parked) or old.manifest.header_fprint == manifest.header_fprint)):
                 return
-        placed = (entry.parent, entry.name) if entry is not None else self._place(key)
-        if placed is None:
-            return
-        parent, name = placed
-        existing = parent.entries.get(name)
-        if entry is None and existing is not None:
-            log.warning("%s: %s already names another entry; skipped", key, os.path.join(parent.path, name))
-            return
+        parent, name = entry.parent, entry.name
+        inode = entry.inode if old is None else self._alloc()
         replica = Replica(
-            key=key,
+            key=entry.key,
             path=os.path.join(parent.path, name),
             manifest=manifest,
             fetcher=self.fetcher,
-            inode=self._alloc(),
-            mtime_ns=mtime_ns_of(manifest, info.mtime),
+            inode=inode,
+            mtime_ns=mtime_ns_of(manifest, entry.listed_mtime if entry.listed_mtime >= 0 else fetched_at),
             prefetch=self.prefetch,
         )
-        self.inodes[replica.inode] = replica
+        self.inodes[inode] = replica
         self.versions_seen += 1
-        if entry is None:
-            entry = DbEntry(key, name, parent, replica, info.size, info.mtime, fetched_at)
-            self.entries[key] = entry
-            parent.entries[name] = entry
-            log.info("new database %s (%d bytes, version %s)", replica.path, replica.size, replica.version[:16])
+        entry.current = replica
+        if old is None:
+            replica.lookups, entry.lookups = entry.lookups, 0
+            log.debug("database %s: %d bytes, version %s", replica.path, replica.size, replica.version[:16])
         else:
-            previous = entry.current
-            entry.current = replica
-            self._maybe_drop(previous)
+            entry.inode = inode
+            self._maybe_drop(old)
             log.info("new version of %s (%d bytes, version %s)", replica.path, replica.size, replica.version[:16])
             if self.on_invalidate is not None:
                 self.on_invalidate(parent.inode, name)
-        parent.mtime_ns = time.time_ns()
-        if self.hydrate and self._nursery is not None:
-            self._start_hydration(key)
+            parent.mtime_ns = time.time_ns()
+            if self.hydrate and self._nursery is not None:
+                self._start_hydration(entry.key)
+        self._keep_decoded(replica)
 
     def _remove(self, key: str) -> None:
-        entry = self.entries.pop(key)
+        entry = self.entries.pop(key, None)
+        if entry is None:  # removed meanwhile (a poll, another lookup)
+            return
         parent = entry.parent
         if parent.entries.get(entry.name) is entry:
             del parent.entries[entry.name]
-        log.info("database %s is gone from the store", entry.current.path)
+        log.info("database %s is gone from the store", os.path.join(parent.path, entry.name))
         h = self._hydrations.pop(key, None)
         if h is not None:
             h.scope.cancel()
-        self._maybe_drop(entry.current)
+        if entry.current is not None:
+            self._maybe_drop(entry.current)
+        elif entry.lookups <= 0:
+            self.inodes.pop(entry.inode, None)
         parent.mtime_ns = time.time_ns()
         if self.on_invalidate is not None:
             self.on_invalidate(parent.inode, entry.name)
@@ -516,7 +881,7 @@ class Catalog:
         if h is not None and h.state in ("queued", "running"):
             return
         assert self._nursery is not None
-        self._hydrations[key] = h = _Hydration(self.entries[key].current.version)
+        self._hydrations[key] = h = _Hydration("")
         self._nursery.start_soon(self._hydrate, key, h)
 
     async def _hydrate(self, key: str, h: _Hydration) -> None:
@@ -526,20 +891,25 @@ class Catalog:
                     entry = self.entries.get(key)
                     if entry is None:
                         return
-                    replica = entry.current
                     h.state = "running"
                     start = time.monotonic()
+                    version = ""
                     try:
+                        replica = await self.decoded(entry)
+                        if not isinstance(replica, Replica):
+                            return
+                        h.version = version = replica.version
                         n = await self.fetcher.hydrate(replica.all_remote_chunks(), progress=h.progress)
                         h.state = "done"
                         log.info("hydrated %s: %d chunks in %.1fs", replica.path, n, time.monotonic() - start)
                     except Exception as e:  # noqa: BLE001 - hydration is best effort
                         h.state = "incomplete"
                         log.warning("hydration of %s is incomplete: %s (tried again in %.0fs)",
-                                    replica.path, e, HYDRATE_RETRY_SECONDS)
+                                    os.path.join(entry.parent.path, entry.name), e, HYDRATE_RETRY_SECONDS)
                     h.finished_at = self.clock()
                     entry = self.entries.get(key)
-                    if entry is None or entry.current is replica or self._hydrations.get(key) is not h:
+                    if (entry is None or entry.current is None or entry.current.version == version
+                            or self._hydrations.get(key) is not h):
                         return
                     # A newer version arrived meanwhile: it is hydrated next.
                     h = self._hydrations[key] = _Hydration(entry.current.version, scope=h.scope)
@@ -551,29 +921,47 @@ class Catalog:
         for key, h in list(self._hydrations.items()):
             if h.state == "incomplete" and now - h.finished_at >= HYDRATE_RETRY_SECONDS and key in self.entries:
                 self._start_hydration(key)
-        cache = self.fetcher.cache
-        if cache is not None and not self._warned_cache_size:
-            total = sum(e.current.size for e in self.entries.values())
-            if total > cache.capacity:
+        capacity = self.fetcher.cache_capacity()
+        if capacity is not None and not self._warned_cache_size:
+            total = self.known_bytes()
+            if total > capacity:
                 self._warned_cache_size = True
                 log.warning("hydration: the databases (%.1f MiB) do not fit in the disk cache (%.1f MiB: cache_size, "
                             "or less if its disk is smaller): it will evict chunks it hydrated",
-                            total / (1 << 20), cache.capacity / (1 << 20))
+                            total / (1 << 20), capacity / (1 << 20))
 
     # ------------------------------------------------------------------- stats
+    def known_bytes(self) -> int:
+        """The sizes of the databases whose manifest was read."""
+        return sum(e.current.size for e in self.entries.values() if e.current is not None)
+
     def stats(self) -> dict:
+        """The numbers of /.verneuil/stats. Per database, only the decoded
+        versions (at most ``decoded_limit``, and the open ones) and those
+        under hydration: a mount of 100,000 databases renders its stats in
+        milliseconds, not seconds."""
+        old_open: dict[str, int] = {}
+        for node in self.inodes.values():
+            if isinstance(node, (Replica, Parked)) and not self._is_current(node):
+                old_open[node.key] = old_open.get(node.key, 0) + 1
         dbs = {}
-        for entry in sorted(self.entries.values(), key=lambda e: e.current.path):
-            d = entry.current.describe()
-            d["old_versions_open"] = sum(
-                1
-                for n in self.inodes.values()
-                if isinstance(n, Replica) and n.key == entry.key and n is not entry.current
-            )
+        for entry in self.entries.values():
             h = self._hydrations.get(entry.key)
+            if isinstance(entry.current, Replica):
+                d = entry.current.describe()
+            elif h is not None:  # hydrated, queued for it, or parked since
+                d = {"path": os.path.join(entry.parent.path, entry.name), "key": entry.key}
+            else:  # known by name, or parked: counted in "catalog" only
+                continue
+            d["old_versions_open"] = old_open.get(entry.key, 0)
             if h is not None:
                 d["hydration"] = h.describe()
-            dbs[entry.current.path] = d
+            dbs[d["path"]] = d
+        read = sum(1 for e in self.entries.values() if e.current is not None)
+        catalog = {"databases": len(self.entries), "read": read, "decoded": len(self._decoded),
+                   "decoded_limit": self.decoded_limit, **self.counts}
+        if self.manifest_cache is not None:
+            catalog["manifest_cache"] = self.manifest_cache.stats()
         out = {
             "fetch": self.fetcher.snapshot(),
             "refresh": {
@@ -584,7 +972,8 @@ class Catalog:
                 "last_poll": self.last_poll,
                 "versions_seen": self.versions_seen,
             },
-            "databases": dbs,
+            "catalog": catalog,
+            "databases": dict(sorted(dbs.items())),
         }
         if self.extra_stats is not None:
             out.update(self.extra_stats())
