@@ -86,8 +86,8 @@ def any_store(request):
 # The order the tests run in, cheapest tier first (scripts/test.sh): a test
 # module's tier is the first prefix its name starts with; within a tier,
 # pytest's own order. A module named after none runs with the last tier.
-TIERS = ("test_format", "test_metrics", "test_store", "test_writer", "test_copier_unit", "test_copier", "test_history",
-         "test_reader", "test_mount", "test_cli", "test_security", "test_fuzz", "test_end_to_end",
+TIERS = ("test_structure", "test_format", "test_metrics", "test_store", "test_writer", "test_copier_unit",
+         "test_copier", "test_history", "test_reader", "test_mount", "test_cli", "test_security", "test_fuzz", "test_end_to_end",
          "test_faults", "test_torture", "test_spark", "test_sqlite_testsuite", "test_bench")
 
 
