@@ -7,7 +7,8 @@ import random
 import trio
 
 from replicas import HOST, publish, publish_large_base
-from verneuil_fuse.reader.catalog import Catalog, Directory, display_path
+from verneuil_fuse.reader.catalog import Catalog, Directory
+from verneuil_fuse.reader.paths import display_path
 from verneuil_fuse.reader.fetcher import Fetcher
 from verneuil_fuse.format import CHUNK_SIZE, manifest_name
 from verneuil_fuse.reader.replica import Replica

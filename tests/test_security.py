@@ -153,7 +153,7 @@ def test_symlinks_planted_in_a_store_are_not_followed(tmp_path):
 def test_no_manifest_name_escapes_the_mount_tree(path, host):
     """Whatever a manifest name says, it becomes names of entries inside the
     mount: never "", ".", "..", never a "/" or NUL inside one."""
-    from verneuil_fuse.reader.catalog import display_path
+    from verneuil_fuse.reader.paths import display_path
 
     if not path.startswith("/"):
         path = "/" + path

@@ -7,22 +7,8 @@ manifest names in the store, with directories synthesised; plus
 Directory listings are
 sorted by name, so readdir is stable.
 
-Names that do not read back as a whole path:
-- a *mangled* manifest name (docs/FORMAT.md: names of 230 encoded bytes or more
-  keep their first and last 104 encoded bytes around a fingerprint) is shown
-  under ``/<hostname>/`` as ``<leading dirs>/…<12 hex>…/<trailing dirs and
-  file>``: the whole path components that survive at each end (a cut may
-  split a component, an escape or a UTF-8 sequence; partial components are
-  dropped), with a directory named after the first 12 hex digits of the
-  mangling fingerprint standing for the missing middle, so that two long paths
-  sharing both ends still get distinct, stable names (when the kept end holds
-  no ``/``, the mark prefixes what is left of the file name);
-- a manifest key that is not a manifest name at all (but whose blob is a valid
-  manifest) is shown as ``/.verneuil/other/<key>``.
-Path components ``.``, ``..`` and empty ones cannot be directory entries:
-empty and ``.`` are dropped, ``..`` becomes ``%2E%2E``. A database whose path
-is also a directory of another one keeps the directory and is left out, with
-a warning.
+Names (`paths.display_path`): a key that is no manifest name, a mangled one,
+path components that cannot be directory entries; see that module.
 
 Names first, manifests on demand: a poll lists the manifest keys (with
 each blob's size and mtime) and builds the tree from the names alone. A
@@ -70,23 +56,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import stat
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import trio
-from urllib.parse import unquote
 
 from verneuil_fuse import __version__, metrics
-from verneuil_fuse.format import ManifestError, manifest_name, parse_manifest_name
-from verneuil_fuse.format.names import MANGLE_KEEP
+from verneuil_fuse.format import ManifestError
 from verneuil_fuse.history import BadTime, parse_time
 from verneuil_fuse.reader.fetcher import FetchError, Fetcher, HydrateProgress
 from verneuil_fuse.reader.manifests import Cached, ManifestCache
 from verneuil_fuse.reader.past import PastStates, split_name
+from verneuil_fuse.reader.paths import display_path, key_of
 from verneuil_fuse.reader.replica import PrefetchConfig, Replica
 from verneuil_fuse.store import NotFound, StoreError, TooLarge
 
@@ -98,7 +81,6 @@ ROOT_INODE = 1
 MAX_CTIME_S = ((1 << 63) - 1) // 1_000_000_000 - 1
 SETTLE_SECONDS = 5.0
 CONTROL_DIR = ".verneuil"
-_MANGLED_HEAD = re.compile(r"\A[0-9a-f]{4}-verneuil%3A.*?%3A[0-9a-f]{4}%2F(%2F.*)\Z", re.S)
 STATS_NAME = "stats"
 METRICS_NAME = "metrics"
 # An eager hydration that could not fetch every chunk (a store outage, a
@@ -218,51 +200,6 @@ class Stale(Exception):
 class StatsFile:
     inode: int
     render: Callable[[], bytes]
-
-
-def _clean(components: list[str]) -> list[str]:
-    out = []
-    for c in components:
-        if c in ("", "."):
-            continue
-        # A NUL cannot be in a file name (the kernel would cut it there).
-        out.append("%2E%2E" if c == ".." else c.replace("\0", "%00"))
-    return out
-
-
-def display_path(key: str) -> tuple[str, list[str]] | None:
-    """(hostname, path components) where manifest ``key`` is shown, or None
-    for a key that is not a manifest name."""
-    parsed = parse_manifest_name(key)
-    if parsed is None:
-        return None
-    host = parsed.hostname
-    if host in ("", ".", ".."):
-        host = host.replace(".", "%2E") or "%2E"
-    # The host is one directory name: no "/" (nor NUL) may split it.
-    host = host.replace("/", "%2F").replace("\0", "%00")
-    if not parsed.mangled:
-        return host, _clean(parsed.path.split("/"))
-    # Mangled: <first 104 encoded bytes><32 hex><last 104 encoded bytes>.
-    # Keep the whole path components on each side (a cut may split a
-    # component, a %XX escape or a UTF-8 sequence), and name the missing
-    # middle after the mangling fingerprint.
-    head, tail = key[:MANGLE_KEEP], key[MANGLE_KEEP + 32 :]
-    m = _MANGLED_HEAD.match(head)
-    if m is None:
-        return None
-    prefix = m.group(1)
-    prefix = prefix[: prefix.rfind("%2F")] if "%2F" in prefix else ""
-    cut = tail.find("%2F")
-    suffix = tail[cut + 3 :] if cut >= 0 else tail
-    middle = "\u2026" + key[MANGLE_KEEP : MANGLE_KEEP + 12] + "\u2026"
-    parts = _clean(unquote(prefix, errors="replace").split("/"))
-    if cut < 0:  # the end of one long file name: the mark and the end make one name
-        end = unquote(suffix, errors="replace").replace("/", "%2F").replace("\0", "%00")
-        return host, parts + [middle + end]
-    parts.append(middle)
-    parts.extend(_clean(unquote(suffix, errors="replace").split("/")))
-    return host, parts
 
 
 def mtime_ns_of(manifest, listed_mtime: float) -> int:
@@ -613,13 +550,9 @@ class Catalog:
         parts.reverse()
         if not parts or parts[0] == CONTROL_DIR or name.endswith(SQLITE_SIDE_FILES) or "@" in name:
             return None
-        host, path = parts[0], "/" + "/".join(parts[1:] + [name])
-        try:
-            key = manifest_name(path, host)
-        except ValueError:
-            return None
-        if (key in self._absent or key in self.entries or key in self._bad
-                or display_path(key) != (host, parts[1:] + [name])):
+        path = "/" + "/".join(parts[1:] + [name])
+        key = key_of(parts[0], parts[1:] + [name])
+        if key is None or key in self._absent or key in self.entries or key in self._bad:
             return None
         if len(self._absent) >= ABSENT_NAMES_MAX:
             self._absent.clear()
@@ -991,9 +924,3 @@ class Catalog:
                 "mountpoint": str(mount.get("mountpoint", ""))}
         return metrics.render(metrics.families("verneuil", stats, metrics.MOUNT_GAUGES,
                                                {"databases": "path"}, ("mount", info)))
-
-
-def mode_of(node: Any) -> int:
-    if isinstance(node, Directory):
-        return stat.S_IFDIR | 0o555
-    return stat.S_IFREG | 0o444
