@@ -16,6 +16,7 @@ import pytest
 
 from verneuil_fuse import cli
 from verneuil_fuse import format as fmt
+from verneuil_fuse.cli.common import store_from_args
 
 import spoolutil
 from copier_support import Writer, vfs_available
@@ -167,7 +168,7 @@ def test_verneuil_config_is_read_by_the_store_layer(monkeypatch, tmp_path):
             monkeypatch.setenv("VERNEUIL_CONFIG", value)
         assert env_config() is None and not env_config_present()
         assert config.load_optional() == {}
-        assert cli._open_store(args, required=False) is None
+        assert store_from_args(args, required=False) is None
         with pytest.raises(ConfigError, match="no store given and VERNEUIL_CONFIG is not set"):
             config.load()
         with pytest.raises(ConfigError, match="set replication_spooling_dir in VERNEUIL_CONFIG"):
@@ -177,7 +178,7 @@ def test_verneuil_config_is_read_by_the_store_layer(monkeypatch, tmp_path):
     monkeypatch.setenv("VERNEUIL_CONFIG", value)
     assert env_config() == value and env_config_present()
     assert config.spool_dir(None) == str(tmp_path / "spool")
-    store = cli._open_store(args, required=False)
+    store = store_from_args(args, required=False)
     try:
         assert store.url == "file://%s" % (tmp_path / "store")
     finally:

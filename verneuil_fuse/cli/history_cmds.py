@@ -1,0 +1,80 @@
+"""A database's past in the store: `versions` (every stored version of one
+database, oldest first, with its time and whether its chunks are all
+there), and the `--at TIME` of `restore` (parsed by history.parse_time,
+then the version current at that time)."""
+from __future__ import annotations
+
+import sys
+
+from ..errors import EXIT_OK, EXIT_USAGE, UserError
+from .common import fmt_size, log, manifest_key, print_json, print_table, store_from_args
+
+
+def parse_at(text: str) -> int:
+    """--at TIME in nanoseconds since the epoch (history.parse_time)."""
+    from ..history import BadTime, parse_time
+    try:
+        return parse_time(text)
+    except BadTime as e:
+        raise UserError("--at: %s" % e, EXIT_USAGE) from None
+
+
+def pick_version_at(args, store) -> None:
+    """Set args.version_id to the version of the database current at
+    --at (the newest whose time is at or before it)."""
+    from .. import format as fmt
+    from ..copier.versions import version_at
+    from ..history import format_time
+    at_ns = parse_at(args.at)
+    name = manifest_key(args)
+    version, infos = version_at(store, name, at_ns,
+                                max_db_size=args.max_db_size or fmt.DEFAULT_MAX_DB_SIZE)
+    if not infos:
+        raise UserError("no such replicated database in %s: manifest %s"
+                        % (store.manifests.describe(), name))
+    if version is None:
+        raise UserError("no version of %s is as old as %s (%d versions; see verneuilctl versions)"
+                        % (name, format_time(at_ns), len(infos)))
+    log.info("--at %s: version %s from %s", format_time(at_ns), version.info.version_id,
+             format_time(version.time_ns))
+    args.version_id = version.info.version_id
+
+
+def cmd_versions(args) -> int:
+    """Every stored version of one database, oldest first."""
+    from .. import format as fmt
+    from ..copier.versions import check_chunks, list_history, load_all
+    store = store_from_args(args, read_only=True)
+    try:
+        name = manifest_key(args)
+        infos = list_history(store, name)
+        if not infos:
+            raise UserError("no such replicated database in %s: manifest %s"
+                            % (store.manifests.describe(), name))
+        versions = load_all(store, name, infos, workers=args.workers,
+                            max_db_size=args.max_db_size or fmt.DEFAULT_MAX_DB_SIZE)
+        if not args.no_check:
+            check_chunks(store, versions, workers=args.workers)
+    finally:
+        store.close()
+    rows = [v.describe() for v in versions]
+    if args.json:
+        print_json(rows)
+        return EXIT_OK
+    table = [("TIME", "SIZE", "CHUNKS", "VERSION ID", "")]
+    for r in rows:
+        if "error" in r:
+            chunks = "ERROR"
+        elif r["missing_chunks"] is None:
+            chunks = "%d" % r["chunks"]
+        else:
+            chunks = "%d, %s" % (r["chunks"], "all present" if r["complete"]
+                                 else "%d MISSING" % r["missing_chunks"])
+        table.append((r["time"] + ("" if r["time_source"] == "manifest" else " (store)"),
+                      fmt_size(r["size"]), chunks, r["version_id"],
+                      "latest" if r["is_latest"] else ""))
+    print_table(table)
+    for r in rows:
+        if "error" in r:
+            print("warning: version %s: %s" % (r["version_id"], r["error"]), file=sys.stderr)
+    return EXIT_OK
