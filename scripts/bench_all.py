@@ -67,11 +67,11 @@ for p in (HERE, ROOT, os.path.join(ROOT, "tests")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-import s3server  # noqa: E402
+from support import s3server  # noqa: E402
 from benchlib import drop_page_cache, make_events_db, moto_ranged, nginx_rig, peers, report  # noqa: E402
 from benchlib.proxy import CountingProxy  # noqa: E402
-from replicas import Mount, unmount  # noqa: E402
-from s3server import REGION, S3Server, fake_aws_env, patched_environ  # noqa: E402
+from support.replicas import Mount, unmount  # noqa: E402
+from support.s3server import REGION, S3Server, fake_aws_env, patched_environ  # noqa: E402
 
 MB = 1 << 20
 

@@ -40,8 +40,8 @@ for p in (os.path.join(HERE, "..", "tests"), HERE, os.path.join(HERE, "..")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from replicas import Mount, make_db, publish_file  # noqa: E402
-from s3server import S3Server, fake_aws_env, patched_environ  # noqa: E402
+from support.replicas import Mount, make_db, publish_file  # noqa: E402
+from support.s3server import S3Server, fake_aws_env, patched_environ  # noqa: E402
 
 from verneuil_fuse.format import manifest_name  # noqa: E402
 from verneuil_fuse.reader.catalog import SETTLE_SECONDS  # noqa: E402

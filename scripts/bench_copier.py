@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from s3server import S3Server, fake_aws_env, patched_environ  # noqa: E402
+from support.s3server import S3Server, fake_aws_env, patched_environ  # noqa: E402
 
 from verneuil_fuse import format as fmt  # noqa: E402
 from verneuil_fuse.copier import Copier  # noqa: E402

@@ -40,8 +40,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 from benchlib import drop_page_cache  # noqa: E402
-from replicas import Mount, replicate  # noqa: E402
-from s3server import S3Server, fake_aws_env, patched_environ  # noqa: E402
+from support.replicas import Mount, replicate  # noqa: E402
+from support.s3server import S3Server, fake_aws_env, patched_environ  # noqa: E402
 
 from verneuil_fuse.format import (  # noqa: E402
     CHUNK_SIZE,

@@ -147,7 +147,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def fanout(args, src: str, store_url: str, runner: Runner, expected: list) -> dict:
-    from replicas import Mount
+    from support.replicas import Mount
     from verneuil_fuse.format import local_hostname
     from verneuil_fuse.spark import find_databases
 

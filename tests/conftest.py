@@ -1,6 +1,6 @@
 """Shared pytest fixtures: a real S3 endpoint (moto's server) and stores.
 
-Fixtures (see tests/s3server.py for the server object's API):
+Fixtures (see tests/support/s3server.py for the server object's API):
 
 - `aws_env` (session): fake AWS credentials/region in os.environ for the whole
   session (and every subprocess), no ~/.aws, no instance metadata.
@@ -22,13 +22,10 @@ them; a test that starts its own `S3Server` should say `@pytest.mark.s3`.
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from s3server import S3Server, fake_aws_env, moto_available, patched_environ  # noqa: E402
+from support.s3server import S3Server, fake_aws_env, moto_available, patched_environ
 
 
 @pytest.fixture(scope="session", autouse=True)

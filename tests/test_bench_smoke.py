@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.fuse, pytest.mark.s3,
 
 def _why_not() -> str | None:
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from replicas import fuse_unavailable
+    from support.replicas import fuse_unavailable
 
     reason = fuse_unavailable()
     if reason:

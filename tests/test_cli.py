@@ -18,8 +18,8 @@ from verneuil_fuse import cli
 from verneuil_fuse import format as fmt
 from verneuil_fuse.cli.common import store_from_args
 
-import spoolutil
-from copier_support import Writer, vfs_available
+from support import spoolutil
+from support.copier_support import Writer, vfs_available
 
 VECTORS = pathlib.Path(__file__).parent / "data" / "umash_verneuil.json"
 CTL = [sys.executable, "-m", "verneuil_fuse.cli"]
@@ -536,7 +536,7 @@ def test_s3_round_trip_wrong_bucket_and_outage(s3_server, tmp_path):
 
 @pytest.mark.s3
 def test_refused_credentials(aws_env, tmp_path):
-    from s3server import S3Server
+    from support.s3server import S3Server
     with S3Server(auth=True, log_dir=str(tmp_path)) as server:
         url = server.url("some-bucket", "other-bucket")
         assert_one_line_error(run(["ls", "--store", url]), "denied")

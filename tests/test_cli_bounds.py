@@ -15,7 +15,7 @@ import pytest
 from verneuil_fuse import format as fmt
 from verneuil_fuse.store import open_store
 
-from replicas import HOST, publish
+from support.replicas import HOST, publish
 from test_cli import assert_one_line_error
 from test_format_manifest import zstd_bomb
 
@@ -191,7 +191,7 @@ def test_a_base_chunk_as_long_as_a_large_list(tmp_path):
     """Verneuil's base chunks are as long as the chunk list (over 64 KiB for
     a database over 256 MiB): `manifest` decodes such a manifest and
     `restore` writes the right bytes."""
-    from replicas import publish_large_base
+    from support.replicas import publish_large_base
     url = "file://%s/store" % tmp_path
     store = open_store(url)
     manifest, real, size = publish_large_base(store, "/large-based.db", hostname=HOST)

@@ -20,7 +20,7 @@ from verneuil_fuse.copier import (Copier, fetch_manifest, restore_bytes,
 from verneuil_fuse.copier import spool as sp
 from verneuil_fuse.store import open_store
 
-from copier_support import (WRITER_KINDS, Writer, counter_of, store_counter,
+from support.copier_support import (WRITER_KINDS, Writer, counter_of, store_counter,
                                  wait_for)
 
 VERNEUILCTL = [sys.executable, "-m", "verneuil_fuse.cli"]

@@ -19,9 +19,9 @@ from verneuil_fuse import format as fmt
 from verneuil_fuse.copier import Copier, fetch_manifest, restore_bytes
 from verneuil_fuse.copier import spool as sp
 
-from pyspoolwriter import SpoolWriter
-from replicas import make_db, publish_file, replicate
-from copier_support import vfs_available
+from support.pyspoolwriter import SpoolWriter
+from support.replicas import make_db, publish_file, replicate
+from support.copier_support import vfs_available
 
 needs_vfs = pytest.mark.skipif(not vfs_available(), reason="writer_vfs is not built")
 

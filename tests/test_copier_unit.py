@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from verneuil_fuse import format as fmt
-from pyspoolwriter import SpoolWriter
+from support.pyspoolwriter import SpoolWriter
 from verneuil_fuse.copier import (Backoff, Copier, NotASpool, Stopped,
                                   TokenBucket, restore_bytes, fetch_manifest)
 from verneuil_fuse.copier import spool as sp

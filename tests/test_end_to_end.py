@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from replicas import Mount, fuse_unavailable  # noqa: E402
+from support.replicas import Mount, fuse_unavailable  # noqa: E402
 from verneuil_fuse.format import local_hostname  # noqa: E402
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow, pytest.mark.timeout(400)]

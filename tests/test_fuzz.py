@@ -36,7 +36,7 @@ import zstandard
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from s3server import patched_environ
+from support.s3server import patched_environ
 from verneuil_fuse import config as vconfig
 from verneuil_fuse import format as fmt
 from verneuil_fuse.format import manifest_pb2
@@ -555,7 +555,7 @@ def _non_dirs(path):
 @example(junk=[("", "copier.lock", "dir", b"")], with_ready=False)
 def test_spool_junk(tmp_path_factory, junk, with_ready):
     """(with_ready: a second snapshot is staged while `ready` holds the first.)"""
-    from pyspoolwriter import SpoolWriter
+    from support.pyspoolwriter import SpoolWriter
     from verneuil_fuse.copier import Copier, fetch_manifest, restore_bytes
     from verneuil_fuse.copier import spool as sp
 

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from replicas import HOST, Mount, fuse_unavailable, make_db, publish, wait_for
+from support.replicas import HOST, Mount, fuse_unavailable, make_db, publish, wait_for
 from verneuil_fuse.copier.repair import live_chunks
 from verneuil_fuse.copier.restore import fetch_manifest
 from verneuil_fuse.format import manifest_name
@@ -274,7 +274,7 @@ def test_versions_of_a_database_written_through_the_vfs(any_store, tmp_path):
     """The real writer and copier: two commits, two versions, each restored
     by its own time."""
     pytest.importorskip("writer_vfs")
-    from replicas import replicate
+    from support.replicas import replicate
     from verneuil_fuse.format import local_hostname
 
     path = os.path.realpath(str(tmp_path / "w.db"))

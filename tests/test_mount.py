@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from replicas import (
+from support.replicas import (
     HOST,
     Mount,
     fuse_unavailable,

@@ -140,7 +140,7 @@ def test_unknown_profile_is_one_line(tmp_path, aws_env):
 
 
 def _mount_class():
-    from replicas import Mount, fuse_unavailable
+    from support.replicas import Mount, fuse_unavailable
 
     reason = fuse_unavailable()
     if reason:
@@ -154,7 +154,7 @@ def test_profile_from_a_credentials_file_mounts(s3_server, tmp_path):
     Mount = _mount_class()
     if not s3_server.running:
         s3_server.start()
-    from s3server import FAKE_ACCESS_KEY, FAKE_SECRET_KEY
+    from support.s3server import FAKE_ACCESS_KEY, FAKE_SECRET_KEY
 
     creds = tmp_path / "credentials"
     creds.write_text("[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n"

@@ -22,7 +22,7 @@ import time
 import pytest
 import zstandard
 
-from replicas import HOST, Mount, fuse_unavailable, make_db, publish, wait_for
+from support.replicas import HOST, Mount, fuse_unavailable, make_db, publish, wait_for
 from verneuil_fuse.format import (
     CHUNK_SIZE,
     ZERO_CHUNK_FPRINT,

@@ -5,7 +5,7 @@ import sqlite3
 
 import pytest
 
-from replicas import make_db
+from support.replicas import make_db
 from verneuil_fuse.reader import btree
 
 

@@ -6,7 +6,7 @@ import random
 
 import trio
 
-from replicas import HOST, publish, publish_large_base
+from support.replicas import HOST, publish, publish_large_base
 from verneuil_fuse.reader.catalog import Catalog, Directory
 from verneuil_fuse.reader.paths import display_path
 from verneuil_fuse.reader.fetcher import Fetcher

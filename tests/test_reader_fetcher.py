@@ -8,7 +8,7 @@ import time
 import pytest
 import trio
 
-from replicas import publish
+from support.replicas import publish
 from verneuil_fuse.reader.cache import FORMAT_DIR, ChunkCache
 from verneuil_fuse.reader.fetcher import FetchError, Fetcher
 from verneuil_fuse.format import compress_chunk, fingerprint

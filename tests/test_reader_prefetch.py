@@ -6,7 +6,7 @@ import os
 
 import trio
 
-from replicas import make_db, publish
+from support.replicas import make_db, publish
 from verneuil_fuse.format import CHUNK_SIZE
 from verneuil_fuse.reader.cache import ChunkCache
 from verneuil_fuse.reader.fetcher import Fetcher

@@ -26,8 +26,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from replicas import HOST, Mount, fuse_unavailable, make_db, publish, wait_for
-from s3server import S3Server, moto_available
+from support.replicas import HOST, Mount, fuse_unavailable, make_db, publish, wait_for
+from support.s3server import S3Server, moto_available
 from verneuil_fuse import format as fmt
 from verneuil_fuse.store import InvalidKey, LocalBackend, StoreError, open_store
 
@@ -350,7 +350,7 @@ def _run(args, env, timeout=90):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not moto_available(), reason="moto[server] is not installed")
 def test_credentials_never_logged(s3_server, tmp_path):
-    from pyspoolwriter import SpoolWriter
+    from support.pyspoolwriter import SpoolWriter
 
     outputs: dict[str, str] = {}
     env = _secret_env()
@@ -409,7 +409,7 @@ def test_credentials_never_logged(s3_server, tmp_path):
                                  "cache_dir=%s,log_level=debug,log_file=%s" % (tmp_path / "cache", log)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         try:
-            from replicas import is_mounted, unmount
+            from support.replicas import is_mounted, unmount
             wait_for(lambda: is_mounted(mnt) or proc.poll() is not None, 30, "the mount")
             for d, _, files in os.walk(mnt):
                 for n in files:
@@ -418,7 +418,7 @@ def test_credentials_never_logged(s3_server, tmp_path):
                     if n == "stats":
                         outputs["mount stats"] = content.decode()
         finally:
-            from replicas import unmount
+            from support.replicas import unmount
             unmount(mnt)
             try:
                 outputs["mount stdout"] = proc.communicate(timeout=20)[0]

@@ -20,7 +20,7 @@ import pytest
 
 pyspark = pytest.importorskip("pyspark")
 
-from replicas import Mount, fuse_unavailable  # noqa: E402
+from support.replicas import Mount, fuse_unavailable  # noqa: E402
 from verneuil_fuse import spark as vspark  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -330,7 +330,7 @@ def test_s3_get_max_bytes_does_not_read_a_big_object(s3_server):
     dropped unread (memory and bytes through the proxy stay far below it)."""
     import tracemalloc
 
-    from s3server import Proxy
+    from support.s3server import Proxy
 
     store = s3_server.make_store()
     size = 64 << 20
@@ -658,7 +658,7 @@ def test_single_bucket_store(s3_server):
 
 @pytest.mark.s3
 def test_bad_credentials(aws_env, monkeypatch, tmp_path):
-    from s3server import S3Server, moto_available
+    from support.s3server import S3Server, moto_available
 
     if not moto_available():
         pytest.skip("moto[server] is not installed")
@@ -712,7 +712,7 @@ def test_endpoint_down_is_transient(s3_server):
 
 
 def test_unreachable_endpoint(aws_env):
-    from s3server import free_port
+    from support.s3server import free_port
 
     store = open_store(f"s3://chunks?manifest_bucket=manifests&endpoint=http://127.0.0.1:{free_port()}")
     with store:
@@ -901,7 +901,7 @@ def test_env_var_unset(monkeypatch):
 
 def test_proxy_counts_requests(s3_server):
     """The test proxy's meter (the benchmarks count GETs with it)."""
-    from s3server import Proxy, classify
+    from support.s3server import Proxy, classify
 
     assert classify(b"GET /bucket/some/key HTTP/1.1\r\nHost: x\r\n") == "GET"
     assert classify(b"GET /bucket?list-type=2 HTTP/1.1\r\n") == "LIST"

@@ -83,14 +83,14 @@ def test_libcurl_signs_what_s3_checks(aws_env, tmp_path):
     transient."""
     import boto3
 
-    from s3server import S3Server
+    from support.s3server import S3Server
     with S3Server(auth=True, free_actions=3, log_dir=str(tmp_path)) as server:
         iam = boto3.client("iam", endpoint_url=server.moto_endpoint, region_name="us-east-1")
         iam.create_user(UserName="replicas")
         iam.put_user_policy(UserName="replicas", PolicyName="all", PolicyDocument=json.dumps(
             {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
         key = iam.create_access_key(UserName="replicas")["AccessKey"]
-        from s3server import patched_environ
+        from support.s3server import patched_environ
         good = {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
         with patched_environ(good):
             s3 = boto3.session.Session().client(

@@ -35,7 +35,7 @@ import time
 
 import pytest
 
-from copier_support import opened_image, vfs_available
+from support.copier_support import opened_image, vfs_available
 from test_faults import BucketView, list_manifest_versions
 from verneuil_fuse import format as fmt
 

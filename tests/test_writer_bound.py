@@ -7,7 +7,7 @@ import random
 
 import writer_vfs
 
-import spoolutil
+from support import spoolutil
 
 ROWS = 50_000          # ~1 KB each: a ~52 MB database
 ROW_BYTES = 1000

@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import writer_vfs
-from replicas import make_db
+from support.replicas import make_db
 from verneuil_fuse.reader import btree
 from verneuil_fuse.format import CHUNK_SIZE
 
-import spoolutil
+from support import spoolutil
 
 # A table t(id, k, v) and an index t_k whose trees are 3 levels deep, each
 # level below the roots (which sit in chunk 0) spread over a few chunks: t's

@@ -12,7 +12,7 @@ import time
 
 import writer_vfs
 
-import spoolutil
+from support import spoolutil
 
 WORKER = r"""
 import os, random, sys, sqlite3, time, writer_vfs

@@ -22,7 +22,7 @@ import time
 
 import writer_vfs
 
-import spoolutil
+from support import spoolutil
 
 WORKER = r"""
 import random, sys, writer_vfs

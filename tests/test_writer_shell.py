@@ -13,7 +13,7 @@ import pytest
 
 import writer_vfs
 
-import spoolutil
+from support import spoolutil
 
 SQLITE3 = shutil.which("sqlite3")
 pytestmark = pytest.mark.skipif(SQLITE3 is None, reason="the sqlite3 shell is not installed")

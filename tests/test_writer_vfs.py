@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import writer_vfs
 from verneuil_fuse.format import GENERATED_BY, header_fprint_of, manifest_name
 
-import spoolutil
+from support import spoolutil
 
 PAGE_SIZES = [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
 

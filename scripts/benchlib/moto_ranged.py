@@ -12,7 +12,7 @@ is handed to moto's own range code as a lazy view whose slice reads just
 those bytes.  Everything else (headers, status codes, 416s) is moto's code.
 
 The process also asks for SIGTERM when its parent dies (PR_SET_PDEATHSIG),
-as tests/s3server.py does for its moto.
+as tests/support/s3server.py does for its moto.
 """
 from __future__ import annotations
 

@@ -18,10 +18,10 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests"))
 
-from replicas import FuseProcess, wait_for  # noqa: E402
+from support.replicas import FuseProcess, wait_for  # noqa: E402
 
 from . import apt_install  # noqa: E402
-from s3server import FAKE_ACCESS_KEY, FAKE_SECRET_KEY, REGION  # noqa: E402
+from support.s3server import FAKE_ACCESS_KEY, FAKE_SECRET_KEY, REGION  # noqa: E402
 
 APT_TOOLS = {"s3fs": "s3fs", "rclone": "rclone"}
 MOUNT_TIMEOUT = 30.0

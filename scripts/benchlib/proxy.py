@@ -1,4 +1,4 @@
-"""The benchmarks' meter: the tests' S3 proxy (tests/s3server.py), started
+"""The benchmarks' meter: the tests' S3 proxy (tests/support/s3server.py), started
 at once with a latency, and named for what the benchmarks use it for.
 
 Every system under test (the verneuil mount, s3fs, rclone, the copier,
@@ -10,7 +10,7 @@ Binds 127.0.0.1 only.
 """
 from __future__ import annotations
 
-from s3server import Proxy
+from support.s3server import Proxy
 
 
 class CountingProxy(Proxy):

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from pyspoolwriter import SpoolWriter
+from support.pyspoolwriter import SpoolWriter
 from verneuil_fuse.copier import restore_bytes, fetch_manifest
 
 
