@@ -9,7 +9,12 @@ owns:
   endpoint, region), the credentials botocore's chain gives the client at
   each request, and libcurl's own SigV4 signing (in C: Python signing cost
   more than the rest of the request); `get_async` hands the answer to a
-  callback without a thread per request.  Listings, versions, HEADs, conditional PUTs, bucket creation
+  callback without a thread per request;
+- the cheap path for listings: ListObjectsV2 pages through the same engine,
+  URL and signing, read by `listing.parse_list_page` (about a tenth of
+  botocore's CPU per key), with boto3 serving any page the engine cannot
+  (no engine path, a region redirect, an answer the parser cannot read as
+  botocore would).  Versions, HEADs, conditional PUTs, bucket creation
   and everything else go through boto3;
 - the client configuration: connection pool size, timeouts, retry policy,
   endpoint, region, path or virtual-host ("domain") addressing; credentials
@@ -40,6 +45,7 @@ from botocore.config import Config
 
 from .curl import BodyTooLarge, CurlEngine, Request, Response
 from .retry import Backoff, retry
+from .listing import ListingFormatError, list_query, parse_list_page
 
 from .base import (
     AccessDenied,
@@ -105,6 +111,11 @@ ENGINE_LARGE_BODY = 1 << 20
 # Keys per ListObjectsV2 / ListObjectVersions page.  1000 is S3's maximum, so
 # the fewest round trips; tests pass a tiny value to exercise pagination.
 LIST_PAGE_SIZE = 1000
+# Longest time of one listing page through the engine, in seconds: a page is
+# at most a few MB, but a server may take seconds to gather it from a large
+# bucket (moto walks the whole bucket per page); the client's read timeout
+# still ends a silent one sooner.
+LIST_REQUEST_TIMEOUT = 120.0
 
 # Addressing styles botocore understands: "path" (http://host/bucket/key),
 # "virtual" (http://bucket.host/key, Verneuil's domain_addressing=true) and
@@ -731,29 +742,100 @@ class S3Backend:
         check_prefix(prefix)
         return self._list(prefix)
 
+    # Whether listings try the engine first; cleared for good on a backend
+    # whose server answers a listing the parser cannot read as botocore would.
+    _engine_lists = True
+
     def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """The keys under `prefix`, a page at a time: from the engine when it
+        can serve the page (`_list_page_engine`), else from boto3 (the
+        continuation token of either serves the other)."""
         strip = len(self.prefix)
+        full_prefix = self.prefix + prefix
+        token: str | None = None
+        while True:
+            page = self._list_page_engine(full_prefix, token) if self._engine_lists else None
+            entries, token = page if page is not None else self._list_page_boto3(full_prefix, token)
+            for full, size, mtime in entries:
+                key = full[strip:]
+                try:
+                    check_key(key)
+                except InvalidKey:
+                    logger.debug("list %s: skipping foreign key %r", self.describe(), full)
+                    continue
+                yield ObjectInfo(key, size, mtime)
+            if token is None:
+                return
+
+    def _list_page_boto3(self, full_prefix: str,
+                         token: str | None) -> tuple[list[tuple[str, int, float]], str | None]:
+        """One ListObjectsV2 page through boto3: ``(key, size, mtime)`` per
+        entry, and the next page's continuation token (None: the last)."""
         kwargs: dict[str, Any] = {
-            "Prefix": self.prefix + prefix,
+            "Prefix": full_prefix,
             "MaxKeys": self.page_size,
             # Keys with a further "/" belong to someone else (or to the other
             # half of a single-bucket store); S3 folds them into CommonPrefixes.
             "Delimiter": "/",
         }
-        while True:
-            page = self._call("list", None, self.client.list_objects_v2, **kwargs)
-            for item in page.get("Contents", ()):
-                key = item["Key"][strip:]
-                try:
-                    check_key(key)
-                except InvalidKey:
-                    logger.debug("list %s: skipping foreign key %r", self.describe(), item["Key"])
-                    continue
-                yield ObjectInfo(key, int(item.get("Size", 0)), item["LastModified"].timestamp())
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                return
+        if token is not None:
             kwargs["ContinuationToken"] = token
+        page = self._call("list", None, self.client.list_objects_v2, **kwargs)
+        entries = [(item["Key"], int(item.get("Size", 0)), item["LastModified"].timestamp())
+                   for item in page.get("Contents", ())]
+        token = page.get("NextContinuationToken")
+        return entries, (token if page.get("IsTruncated") and token else None)
+
+    def _list_page_engine(self, full_prefix: str,
+                          token: str | None) -> tuple[list[tuple[str, int, float]], str | None] | None:
+        """`_list_page_boto3` through the engine (the same query, delimiter
+        "/" included, keys URL-encoded), with attempts for transient failures
+        as `_engine_sync` makes them; None: boto3 must serve this page."""
+        retries = self.client.meta.config.retries or {}
+        attempts = max(1, int(retries.get("total_max_attempts", ENGINE_ATTEMPTS)))
+        backoff = Backoff(base=ENGINE_RETRY_BACKOFF, cap=ENGINE_RETRY_CAP, attempts=attempts, jitter=False)
+        body = retry(lambda: self._list_fetch(full_prefix, token), backoff=backoff,
+                     what="list %s" % self.describe())
+        if body is None:
+            return None
+        try:
+            return parse_list_page(body)
+        except ListingFormatError as exc:
+            self._engine_lists = False
+            logger.warning("%s: %s; listings go through boto3 from now on", self.describe(), exc)
+            return None
+
+    def _list_fetch(self, full_prefix: str, token: str | None) -> bytes | None:
+        """One ListObjectsV2 request on the engine and its answer's body,
+        waited for here; the StoreError of an error answer; None: no engine
+        path (or a region redirect)."""
+        auth = self._engine_auth()
+        engine = self._engine
+        if auth is None or engine is None:
+            return None
+        prefix, headers, sigv4 = auth
+        # The bucket's URL as botocore lists it: ".../bucket" in path style,
+        # "https://bucket.host/" in virtual style.
+        if urllib.parse.urlsplit(prefix).path not in ("", "/"):
+            prefix = prefix.rstrip("/")
+        config = self.client.meta.config
+        request = Request("GET", prefix + "?" + list_query(full_prefix, self.page_size, token), headers,
+                          sigv4=sigv4,
+                          connect_timeout=config.connect_timeout or CONNECT_TIMEOUT,
+                          idle_timeout=config.read_timeout or READ_TIMEOUT, timeout=LIST_REQUEST_TIMEOUT)
+        box: list = []
+        ready = threading.Event()
+        try:
+            engine.submit(request, lambda result: (box.append(result), ready.set()))
+        except OSError:
+            return None
+        ready.wait()
+        answer = self._engine_answer("list", None, box[0], None)
+        if isinstance(answer, _Redirected):
+            return None
+        if isinstance(answer, StoreError):
+            raise answer
+        return answer
 
     def list_versions(self, key: str) -> list[VersionInfo]:
         full = self._full(key)
