@@ -33,6 +33,11 @@ version, counters), their blob left in the manifest cache on disk
 cache holds it. A parked version the store no longer serves opens with
 ESTALE (the kernel then looks the name up again).
 
+A store of at most ``decoded_limit`` databases is read whole at each poll
+(its manifests would all stay decoded anyway), so that a first query after a
+mount or a new database costs no manifest GET; past that bound, manifests are
+read on demand.
+
 Polling: each poll lists the manifest bucket. A decoded database whose
 listed size or mtime changed, or whose manifest was fetched less than
 ``SETTLE_SECONDS`` after its listed mtime (two uploads within one second of
@@ -98,6 +103,11 @@ HYDRATE_AT_ONCE = 2
 # ~0.5 MB more for its chunk list, so 256 stay within ~25-150 MB; versions
 # open in a handle are never parked, whatever the bound.
 DECODED_MANIFESTS = 256
+# Manifests read at once when a poll reads every one of a small store
+# (`Catalog._read_all`): more than the fetcher's threads for manifests
+# (META_THREADS), so that they never wait on this bound, few enough that a
+# lookup's own manifest read queues behind at most this many.
+READ_ALL_AT_ONCE = 8
 # Names SQLite looks for beside a database at every transaction (hot journal
 # and WAL checks): never looked up in the store by name, since a writer never
 # replicates them and each lookup would be a GET.
@@ -676,8 +686,32 @@ class Catalog:
             self._remove(key)
         for key in self._bad.keys() - listed:
             del self._bad[key]
+        if len(self.entries) <= self.decoded_limit:
+            await self._read_all()
         if self.hydrate and self._nursery is not None:
             self._after_poll_hydration()
+
+    async def _read_all(self) -> None:
+        """A store whose databases all fit in ``decoded_limit``: read every
+        manifest not read yet, now (in parallel, ``READ_ALL_AT_ONCE`` at a
+        time), so that a first query costs no manifest GET, as a mount of
+        such a store can keep them all decoded anyway."""
+        todo = [e for e in self.entries.values() if e.current is None and e.inode not in self._loading]
+        if not todo:
+            return
+        slots = trio.Semaphore(READ_ALL_AT_ONCE)
+
+        async def read(entry: DbEntry) -> None:
+            async with slots:
+                try:
+                    await self.materialize(entry)
+                except FetchError as e:
+                    self.poll_errors += 1
+                    log.warning("cannot load manifest %s: %s", entry.key, e)
+
+        async with trio.open_nursery() as nursery:
+            for entry in todo:
+                nursery.start_soon(read, entry)
 
     def _relist(self, entry: DbEntry, size: int, mtime: float) -> None:
         """The listing of a database not decoded changed: it forgets its
