@@ -489,3 +489,50 @@ def test_decode_chunk_bounds():
     assert fmt.decode_chunk(ok, fp) == data
     with pytest.raises(fmt.ChunkError):
         fmt.decode_chunk(ok[:-3], fp)  # a cut frame
+
+
+def test_decode_chunk_reuses_one_decompressor_per_thread_safely():
+    """Chunks share their thread's decompressor: a broken, cut, oversized or
+    streamed frame before a good one changes nothing of the good one's
+    bytes, and threads decoding at once each get their own."""
+    import threading
+
+    from verneuil_fuse.format import manifest as mf
+
+    datas = [os.urandom(CS // 2) * 2 for _ in range(4)]
+    frames = [fmt.compress_chunk(d) for d in datas]
+    fps = [fmt.fingerprint(d) for d in datas]
+    w = zstandard.ZstdCompressor().compressobj()
+    bomb = w.compress(bytes(10 * CS)) + w.flush()
+    bad = [frames[0][: len(frames[0]) // 2], frames[1][:-3], bomb,
+           zstandard.ZstdCompressor().compress(datas[2] + b"x")]
+    assert mf._thread_decompressor() is mf._thread_decompressor()
+    for k in range(20):
+        with pytest.raises(fmt.ChunkError):
+            fmt.decode_chunk(bad[k % len(bad)], fps[k % 4])
+        assert fmt.decode_chunk(frames[k % 4], fps[k % 4]) == datas[k % 4]
+    errors: list = []
+    mine: list = []
+
+    def decode(n: int) -> None:
+        mine.append(mf._thread_decompressor())
+        try:
+            for k in range(300):
+                j = (k + n) % 4
+                if k % 7 == 0:
+                    try:
+                        fmt.decode_chunk(bad[j], fps[j])
+                        errors.append("a bad frame decoded")
+                    except fmt.ChunkError:
+                        pass
+                if fmt.decode_chunk(frames[j], fps[j]) != datas[j]:
+                    errors.append("wrong bytes")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=decode, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len({id(d) for d in mine}) == 4

@@ -331,14 +331,14 @@ def test_engine_path_batches_gets_without_a_task_per_chunk(s3_store, tmp_path):
     fps = [fp for i, fp in enumerate(pub.manifest.chunks) if i > 0]
     cache = ChunkCache(str(tmp_path / "c"), 1 << 26)
     f = Fetcher(s3_store, cache, concurrency=8, prefetch_concurrency=6, retries=1, backoff=0.01)
-    assert f._get_batch is not None
+    assert f._engine.available
     spawned = []
 
     async def go():
         real = f._nursery.start_soon
         f._nursery.start_soon = lambda fn, *a: spawned.append(fn.__name__) or real(fn, *a)
         assert f.prefetch(fps[:20]) == 20
-        assert len(f._queued_prefetch) == 14  # 6 prefetch slots: 6 sent at once, the rest queued
+        assert len(f._engine.queued_prefetch) == 14  # 6 prefetch slots: 6 sent at once, the rest queued
         bufs = [bytearray(len(pub.chunks[fp])) for fp in fps]
         await f.read_into(fps, [memoryview(b) for b in bufs])
         return bufs
@@ -347,7 +347,7 @@ def test_engine_path_batches_gets_without_a_task_per_chunk(s3_store, tmp_path):
     assert [bytes(b) for b in bufs] == [pub.chunks[fp] for fp in fps]
     assert f.stats["gets"] == len(fps) and f.stats["store_fetches"] == len(fps) and f.stats["failed"] == 0
     assert "_fly" not in spawned and f.stats["prefetch_hits"] > 0
-    assert not f._inflight and not f._queued_demand and not f._queued_prefetch
+    assert not f._inflight and not f._engine.queued_demand and not f._engine.queued_prefetch
     # A chunk the store lost: one retry (in a task), then an error; its
     # neighbours are served.
     s3_store.chunks.delete(fps[0].name)
@@ -372,7 +372,7 @@ def test_engine_path_demand_joins_a_queued_prefetch(s3_store):
 
     async def go():
         f.prefetch(fps)
-        assert len(f._queued_prefetch) == len(fps) - 2
+        assert len(f._engine.queued_prefetch) == len(fps) - 2
         # The last prefetches, queued, joined by demand reads (with a new chunk).
         bufs = [bytearray(len(pub.chunks[fp])) for fp in fps[-3:]]
         await f.read_into(fps[-3:], [memoryview(b) for b in bufs])
@@ -416,4 +416,44 @@ def test_engine_path_queued_demand_fails_at_its_deadline(chunks):
 
     took = run(f, go)
     assert 0.25 <= took < 2 and store.chunks.sent == [fps[0].name]
-    assert f.stats["failed"] == 1 and not f._queued_demand and fps[1] not in f._inflight
+    assert f.stats["failed"] == 1 and not f._engine.queued_demand and fps[1] not in f._inflight
+
+
+class RefusingEngine:
+    """A chunks backend with an engine path that turns out to be off: it
+    takes no GET (`get_async_batch` says False)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.refused = 0
+
+    def get_async_batch(self, items, max_bytes, flush=None):
+        self.refused += len(items)
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_engine_path_refused_runs_flights_in_tasks(chunks, tmp_path):
+    """An engine that takes no GET turns the engine path off: the flights
+    it refused give back their slots and run in tasks (threads), demand and
+    prefetch alike, and every later one starts in a task."""
+    store, fps, pub = chunks
+    store.chunks = RefusingEngine(store.chunks.inner)
+    f = Fetcher(store, ChunkCache(str(tmp_path / "c"), 1 << 26), concurrency=4, prefetch_concurrency=2)
+    assert f._engine.available
+
+    async def go():
+        assert f.prefetch(fps[:3]) == 3
+        bufs = [bytearray(len(pub.chunks[fp])) for fp in fps[2:]]
+        await f.read_into(fps[2:], [memoryview(b) for b in bufs])
+        assert not f._engine.available
+        return bufs, [await f.get(fp) for fp in fps]
+
+    bufs, got = run(f, go)
+    assert [bytes(b) for b in bufs] == [pub.chunks[fp] for fp in fps[2:]]
+    assert got == [pub.chunks[fp] for fp in fps]
+    assert store.chunks.refused == 2  # the first submission (2 prefetch slots), then no more
+    assert f.io_limiter.borrowed_tokens == 0 and f.prefetch_slots.borrowed_tokens == 0
+    assert f.stats["failed"] == 0 and not f._inflight

@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import struct
 import sys
+import threading
 from array import array
 from collections.abc import Sequence
 from typing import Callable, Iterable, Iterator, Optional, Union
@@ -354,6 +355,26 @@ def _longer_than(blob: bytes, limit: int) -> bool:
     return total > limit
 
 
+# Frames whose output bound is at most this (chunks, 64 KiB) are decompressed
+# with their thread's own decompressor, made once (`_thread_decompressor`):
+# making one costs ~15 us (zstd probes the CPU, a trapped instruction in a
+# VM), ten times the decompression of a chunk; a larger bound (a manifest,
+# up to hundreds of MiB) gets a new one, so that no thread keeps the buffers
+# of a large frame.
+_REUSED_DECOMPRESSOR_LIMIT = 1 << 20
+
+_per_thread = threading.local()
+
+
+def _thread_decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompressor (a ZstdDecompressor is not for two threads
+    at once; each call resets its state, a failed frame's included)."""
+    dctx = getattr(_per_thread, "dctx", None)
+    if dctx is None:
+        dctx = _per_thread.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
 def _decompress_bounded(blob: bytes, limit: int) -> bytes:
     """zstd-decompress one whole frame of at most `limit` bytes (any bytes
     after it are ignored).  `_PastLimit` (a ZstdError) when the frame declares
@@ -363,10 +384,11 @@ def _decompress_bounded(blob: bytes, limit: int) -> bytes:
     unknown = declared in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR)
     if not unknown and declared > limit:
         raise _PastLimit("declares %d bytes, more than %d" % (declared, limit))
+    dctx = _thread_decompressor() if limit <= _REUSED_DECOMPRESSOR_LIMIT else zstandard.ZstdDecompressor()
     try:
         # One pass: the output buffer is the declared size, or `limit` bytes
         # when the frame does not declare one (then a longer frame fails).
-        return zstandard.ZstdDecompressor().decompress(blob, max_output_size=max(limit, 1))
+        return dctx.decompress(blob, max_output_size=max(limit, 1))
     except zstandard.ZstdError:
         if unknown and _longer_than(blob, limit):
             raise _PastLimit("decompresses past %d bytes" % limit) from None

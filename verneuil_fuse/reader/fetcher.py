@@ -28,22 +28,22 @@ prefetch slots, so demand reads always find store capacity; a demand read
 that joins a prefetch still waiting for its slot promotes it at once.
 
 Two ways a flight runs. On a store with an HTTP engine (S3, `store/curl.py`)
-a GET costs the trio thread no task and no Event: flights queue for their
-slots (`_pump`), go to the engine many per submission, are decoded, verified
-and written to the disk cache on the engine's thread, and come back to
-`_engine_done` in batches (one wake-up of trio for every answer that
-arrived meanwhile); a read request waits for all its chunks on one Event
-(`_Waiter`). Anything else runs in a task (`_fly`): a chunk the disk cache
-may hold, a directory store's GETs in threads, hydration, and the retries
-of a GET that failed on the engine.
+a GET costs the trio thread no task and no Event: `flights.EnginePath`
+queues flights for their slots, sends them to the engine many per
+submission, has them decoded, verified and written to the disk cache on the
+engine's thread, and hands their answers back in batches (one wake-up of
+trio for every answer that arrived meanwhile) to `engine_answered`; a read
+request waits for all its chunks on one Event (`_Waiter`). Anything else
+runs in a task (`_fly`): a chunk the disk cache may hold, a directory
+store's GETs in threads, hydration, and the retries of a GET that failed on
+the engine.
 """
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -62,6 +62,7 @@ from verneuil_fuse.format import (
     manifest_blob_limit,
 )
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache, MemoryLRU
+from verneuil_fuse.reader.flights import DONE, TASK, EnginePath, Flight, store_chunk
 from verneuil_fuse.store import NotFound, StoreError, TooLarge
 from verneuil_fuse.store.retry import Backoff, retry, retry_async
 
@@ -142,9 +143,6 @@ DEFAULT_DEADLINE = 30.0
 # Default time limit of one GET attempt: a third of the deadline, so that a
 # request lost in a black hole still leaves time for two more attempts.
 DEFAULT_ATTEMPT_TIMEOUT = 10.0
-# The shortest time limit given to a GET sent with little of its deadline
-# left: enough for one round trip to a store far away.
-MIN_ATTEMPT_TIMEOUT = 0.5
 # A chunk given up on fails again at once for this long: the kernel retries a
 # failed read straight away (its readahead, then the page itself), which
 # would otherwise wait a second deadline; a read a few seconds later tries
@@ -170,54 +168,9 @@ def _get_and_decode(backend: Any, name: str, fp: Fprint) -> tuple[int, bytes]:
     return len(blob), decode_chunk(blob, fp)
 
 
-def _store_chunk(cache: ChunkCache, fp: Fprint, data: bytes, slot: CacheSlot | None) -> None:
-    """Write a verified chunk to the disk cache, in its slot if it has one
-    (blocking: a worker thread's or the HTTP engine's call). A cache that
-    cannot be written is not fatal: logged, the slot given back."""
-    try:
-        if slot is not None:
-            slot.write(fp, data)
-        else:
-            cache.put(fp, data)
-    except Exception:  # noqa: BLE001 - reads go on from the store
-        log.exception("cannot write chunk %s to the cache", chunk_name(fp))
-    finally:
-        if slot is not None:
-            slot.abandon()  # if `write` failed
-
-
 class FetchError(Exception):
     """A chunk could not be obtained (after retries, or before the deadline):
     the read must fail."""
-
-
-# Where a flight is (`_Flight.state`).
-_QUEUED = "queued"  # waiting for a GET slot, to go to the store's HTTP engine (`Fetcher._pump`)
-_ENGINE = "engine"  # its GET is on the engine; its answer comes to `Fetcher._engine_done`
-_TASK = "task"  # a trio task runs it (`Fetcher._fly`): disk cache, threads, retries, hydration
-_DONE = "done"
-
-
-class _Flight:
-    """One chunk's fetch, shared by every read of it (single-flight). Its
-    waiters are `_Waiter` objects, one per read request however many of its
-    chunks it waits for, told when the flight is done (`Fetcher._finish`)."""
-
-    __slots__ = ("fp", "state", "data", "error", "prefetch", "promoted", "slot", "waiters", "wait_scope",
-                 "deadline", "holds_prefetch_slot")
-
-    def __init__(self, fp: Fprint, prefetch: bool, slot: CacheSlot | None = None):
-        self.fp = fp
-        self.state = _TASK
-        self.slot = slot  # where the disk cache will put the bytes (`ChunkCache.reserve`)
-        self.data: bytes | None = None
-        self.error: BaseException | None = None
-        self.prefetch = prefetch
-        self.promoted = False  # a prefetch a demand read joined
-        self.waiters: list[_Waiter] | None = None
-        self.wait_scope: trio.CancelScope | None = None  # a task's wait for a prefetch slot
-        self.deadline = 0.0  # trio time; set when the deadline starts (`Fetcher._download`)
-        self.holds_prefetch_slot = False  # on the engine path
 
 
 class _Waiter:
@@ -289,7 +242,7 @@ class Fetcher:
         self.meta_limiter = trio.CapacityLimiter(META_THREADS)
 
     def _init_flights(self) -> None:
-        self._inflight: dict[Fprint, _Flight] = {}
+        self._inflight: dict[Fprint, Flight] = {}
         self._prefetch_flights = 0
         self._prefetched_unused: set[Fprint] = set()
         # Chunks recently fetched for reads: fingerprint -> (expiry, bytes).
@@ -298,16 +251,9 @@ class Fetcher:
         self._advising = False
         self._to_write: list[tuple[Fprint, bytes, CacheSlot | None]] = []  # for `_write_loop`
         self._writing = False
-        self._arrivals: list = []  # engine answers for `_set_arrived`
-        self._handing_over = False  # `_set_arrived` is due in trio
-        self._arrivals_lock = threading.Lock()
-        # The engine path (`_pump`): flights waiting for a GET slot.
-        self._queued_demand: deque[_Flight] = deque()
-        self._queued_prefetch: deque[_Flight] = deque()
-        self._watching = False  # `_watch_queue` runs
         # Chunk GETs on the store's HTTP engine, many per call
-        # (`S3Backend.get_async_batch`); None: no engine path.
-        self._get_batch: Callable | None = getattr(self.store.chunks, "get_async_batch", None)
+        # (`S3Backend.get_async_batch`), if it has one (`flights.EnginePath`).
+        self._engine = EnginePath(self, getattr(self.store.chunks, "get_async_batch", None), self.cache)
 
     def _init_health(self) -> None:
         # Chunks given up on: fingerprint -> (trio time, the error).
@@ -330,7 +276,7 @@ class Fetcher:
         (the mount lets them finish, for a bounded time, at unmount)."""
         self._nursery = nursery
         self._writes = writes if writes is not None else nursery
-        self._token = trio.lowlevel.current_trio_token()
+        self._engine.bind(nursery)
 
     # ----------------------------------------------------------- blocking calls
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
@@ -434,16 +380,16 @@ class Fetcher:
         """A demand read for a chunk `get_nowait` did not have: join or start
         its flight (disk cache in a thread, else the store)."""
         got = self._join(fp)
-        if not isinstance(got, _Flight):
+        if not isinstance(got, Flight):
             return got
-        self._pump()
+        self._engine.pump()
         await self._wait([got])
         return self._result(got)
 
-    def _join(self, fp: Fprint) -> bytes | _Flight:
+    def _join(self, fp: Fprint) -> bytes | Flight:
         """A demand read's chunk: its bytes if they arrived meanwhile, else
         its flight, joined (a prefetch's is promoted) or started (not
-        submitted: `_pump`). Raises FetchError for a chunk given up on less
+        submitted: `EnginePath.pump`). Raises FetchError for a chunk given up on less
         than `FAILED_CHUNK_TTL` ago."""
         self.stats["requests"] += 1
         data = self._memory(fp)  # it may have arrived since
@@ -465,20 +411,18 @@ class Fetcher:
             del self._failed[fp]
         return self._start(fp, prefetch=False)
 
-    def _promote(self, flight: _Flight) -> None:
+    def _promote(self, flight: Flight) -> None:
         """A demand read joined a prefetch: it no longer waits for a
         prefetch slot (demand keeps the store's capacity for itself)."""
         flight.promoted = True
         self.stats["prefetch_hits"] += 1
         if flight.wait_scope is not None:
             flight.wait_scope.cancel()
-        if flight.state is _QUEUED:  # queued behind prefetches: with demand now
-            flight.deadline = trio.current_time() + self.deadline
-            self._queued_demand.append(flight)
+        self._engine.promote(flight)  # if queued behind prefetches: with demand now
 
-    async def _wait(self, flights: list[_Flight]) -> None:
+    async def _wait(self, flights: list[Flight]) -> None:
         """Until every flight of ``flights`` is done (one Event for all)."""
-        left = [f for f in flights if f.state is not _DONE]
+        left = [f for f in flights if f.state is not DONE]
         if not left:
             return
         waiter = _Waiter(len(left))
@@ -489,7 +433,7 @@ class Fetcher:
                 flight.waiters.append(waiter)
         await waiter.event.wait()
 
-    def _result(self, flight: _Flight) -> bytes:
+    def _result(self, flight: Flight) -> bytes:
         """The bytes of a flight done, or its error as FetchError."""
         if flight.error is not None:
             raise FetchError(str(flight.error)) from flight.error
@@ -547,19 +491,19 @@ class Fetcher:
         or started, one wait for all, then the bytes copied; the first error,
         once all are done."""
         errors: list[FetchError] = []
-        waiting: list[tuple[int, _Flight]] = []
+        waiting: list[tuple[int, Flight]] = []
         for k in missing:
             try:
                 got = self._join(fps[k])
             except FetchError as e:
                 errors.append(e)
                 continue
-            if isinstance(got, _Flight):
+            if isinstance(got, Flight):
                 waiting.append((k, got))
             else:
                 self._fill(fps[k], dests[k], got, errors)
         if waiting:
-            self._pump()
+            self._engine.pump()
             await self._wait([flight for _, flight in waiting])
             for k, flight in waiting:
                 try:
@@ -609,7 +553,7 @@ class Fetcher:
             started += 1
         self.stats["prefetch_started"] += started
         if started:
-            self._pump()
+            self._engine.pump()
         if to_advise:
             self.stats["prefetch_requested"] += len(to_advise)
             self.stats["prefetch_advised"] += len(to_advise)
@@ -650,7 +594,7 @@ class Fetcher:
                 if fp not in self.mem and not (self.cache is not None and self.cache.has_indexed(fp))]
         progress.chunks = len(todo)
 
-        async def one(flight: _Flight) -> None:
+        async def one(flight: Flight) -> None:
             try:
                 await self._wait([flight])
                 if flight.error is None:
@@ -694,10 +638,10 @@ class Fetcher:
         return len(todo)
 
     # ---------------------------------------------------------------- flights
-    def _start(self, fp: Fprint, prefetch: bool, hydrate: bool = False, slot: Any = _RESERVE) -> _Flight:
+    def _start(self, fp: Fprint, prefetch: bool, hydrate: bool = False, slot: Any = _RESERVE) -> Flight:
         """Start the flight of one chunk; ``slot``: its place in the disk
         cache, taken here unless given. A GET the store's HTTP engine can
-        make is queued for `_pump` (the caller calls it once its flights
+        make is queued for `EnginePath.pump` (the caller calls it once its flights
         are started); anything else runs in a task (`_fly`)."""
         if self._nursery is None:
             raise RuntimeError("Fetcher.bind(nursery) was not called")
@@ -708,22 +652,17 @@ class Fetcher:
         cache = self.cache
         if slot is _RESERVE:
             slot = cache.reserve() if cache is not None and not cache.has_indexed(fp) else None
-        flight = _Flight(fp, prefetch, slot)
+        flight = Flight(fp, prefetch, slot)
         self._inflight[fp] = flight
         if prefetch:
             self._prefetch_flights += 1
-        if hydrate or self._get_batch is None or (cache is not None and cache.might_have(fp)):
+        if hydrate or not self._engine.available or (cache is not None and cache.might_have(fp)):
             self._nursery.start_soon(self._fly, flight, hydrate)
-        elif prefetch:
-            flight.state = _QUEUED
-            self._queued_prefetch.append(flight)
         else:
-            flight.state = _QUEUED
-            flight.deadline = trio.current_time() + self.deadline
-            self._queued_demand.append(flight)
+            self._engine.queue(flight)
         return flight
 
-    async def _fly(self, flight: _Flight, hydrate: bool, first_error: BaseException | None = None) -> None:
+    async def _fly(self, flight: Flight, hydrate: bool, first_error: BaseException | None = None) -> None:
         """A flight in a task: a prefetch slot first (a prefetch), then the
         disk cache or the store; ``first_error``: its first GET failed on the
         engine path, this is its retries."""
@@ -755,7 +694,7 @@ class Fetcher:
                 self.prefetch_slots.release_on_behalf_of(flight)
             self._finish(flight)
 
-    def _fail(self, flight: _Flight, error: FetchError) -> None:
+    def _fail(self, flight: Flight, error: FetchError) -> None:
         """A flight given up on: its waiters get ``error``, and so do demand
         reads of the chunk for `FAILED_CHUNK_TTL`."""
         flight.error = error
@@ -763,10 +702,10 @@ class Fetcher:
             self._failed.clear()  # a bound, not a policy: entries live seconds
         self._failed[flight.fp] = (trio.current_time(), error)
 
-    def _finish(self, flight: _Flight) -> None:
+    def _finish(self, flight: Flight) -> None:
         """A flight is over (bytes or error): give back its place in the
         disk cache if unused, and wake its waiters."""
-        flight.state = _DONE
+        flight.state = DONE
         if flight.slot is not None:  # not handed to the bytes' writer
             flight.slot.abandon()
             flight.slot = None
@@ -779,7 +718,7 @@ class Fetcher:
                 if not waiter.left:
                     waiter.event.set()
 
-    async def _load(self, fp: Fprint, flight: _Flight, hydrate: bool) -> bytes:
+    async def _load(self, fp: Fprint, flight: Flight, hydrate: bool) -> bytes:
         if self.cache is not None and self.cache.might_have(fp):
             cache = self.cache
             if hydrate:
@@ -796,7 +735,7 @@ class Fetcher:
         data, cached = await self._download(fp, flight)
         return self._landed(flight, data, hydrate, cached)
 
-    def _landed(self, flight: _Flight, data: bytes, hydrate: bool, cached: bool) -> bytes:
+    def _landed(self, flight: Flight, data: bytes, hydrate: bool, cached: bool) -> bytes:
         """Downloaded bytes: counted, kept in memory (those a read waits
         for held, see `HOLD_SECONDS`), written to the disk cache unless
         ``cached`` (the engine's thread did)."""
@@ -833,7 +772,7 @@ class Fetcher:
 
         def write(batch: list) -> None:
             for fp, data, slot in batch:
-                _store_chunk(cache, fp, data, slot)
+                store_chunk(cache, fp, data, slot)
 
         batch: list = []
         try:
@@ -848,7 +787,7 @@ class Fetcher:
                     slot.abandon()
             self._to_write = []
 
-    async def _download(self, fp: Fprint, flight: _Flight, *, failed: int = 0,
+    async def _download(self, fp: Fprint, flight: Flight, *, failed: int = 0,
                         last: BaseException | None = None) -> tuple[bytes, bool]:
         """GET and verify one chunk: attempts of at most ``timeout`` seconds,
         with backoff, until one succeeds, ``retries`` retries are spent or
@@ -901,7 +840,7 @@ class Fetcher:
                 await self.io_limiter.acquire()
             try:
                 self.stats["gets"] += 1
-                answer = await self._get_async(backend, name, fp, slot)
+                answer = await self._engine.get_one(backend, name, fp, slot)
                 cached = answer is not None
                 if answer is None:
                     with trio.fail_after(self.timeout):
@@ -944,113 +883,11 @@ class Fetcher:
         text = str(last)
         return FetchError(text if name in text else "chunk %s: %s" % (name, text))
 
-    # ------------------------------------------------------ the engine path
-    def _pump(self) -> None:
-        """Send the queued flights that a GET slot (and a prefetch slot, for
-        a prefetch) lets go now to the store's HTTP engine, all in one
-        submission: demand first, then prefetches in the order they
-        started. No task, no Event per chunk: the answers come back to
-        `_engine_done` in batches."""
-        io = self.io_limiter
-        batch: list[_Flight] = []
-        demand = self._queued_demand
-        while demand:
-            flight = demand[0]
-            if flight.state is not _QUEUED:
-                demand.popleft()  # promoted, and sent from the prefetch queue meanwhile; or expired
-                continue
-            try:
-                io.acquire_on_behalf_of_nowait(flight)
-            except trio.WouldBlock:
-                break
-            demand.popleft()
-            flight.state = _ENGINE  # not sent again from the prefetch queue
-            batch.append(flight)
-        else:
-            self._pump_prefetches(batch)
-        if batch:
-            self._submit(batch)
-        if demand and not self._watching:
-            self._watching = True
-            assert self._nursery is not None
-            self._nursery.start_soon(self._watch_queue)
-
-    def _pump_prefetches(self, batch: list[_Flight]) -> None:
-        io, slots = self.io_limiter, self.prefetch_slots
-        queue = self._queued_prefetch
-        now = trio.current_time()
-        while queue:
-            flight = queue[0]
-            if flight.state is not _QUEUED:
-                queue.popleft()
-                continue
-            if not flight.promoted:
-                try:
-                    slots.acquire_on_behalf_of_nowait(flight)
-                except trio.WouldBlock:
-                    return
-            try:
-                io.acquire_on_behalf_of_nowait(flight)
-            except trio.WouldBlock:
-                if not flight.promoted:
-                    slots.release_on_behalf_of(flight)
-                return
-            queue.popleft()
-            flight.state = _ENGINE
-            flight.holds_prefetch_slot = not flight.promoted
-            if not flight.promoted:
-                flight.deadline = now + self.deadline  # a prefetch's deadline starts with its slot
-            batch.append(flight)
-
-    def _submit(self, batch: list[_Flight]) -> None:
-        """One engine submission for the flights of ``batch`` (each holds a
-        GET slot); an engine that cannot take them turns the engine path off
-        and the flights go to tasks."""
-        now = trio.current_time()
-        answer = self._engine_answer
-        items = [(chunk_name(f.fp), min(self.timeout, max(f.deadline - now, MIN_ATTEMPT_TIMEOUT)),
-                  functools.partial(answer, f, f.slot)) for f in batch]
-        assert self._get_batch is not None
-        if self._get_batch(items, MAX_CHUNK_BLOB_BYTES, self._hand_over):
-            self.stats["gets"] += len(batch)
-            return
-        log.debug("no engine path for chunk GETs: they run in threads")
-        self._get_batch = None
-        assert self._nursery is not None
-        for flight in batch:
-            self._release_slots(flight)
-            flight.state = _TASK
-            self._nursery.start_soon(self._fly, flight, False)
-
-    def _release_slots(self, flight: _Flight) -> None:
-        self.io_limiter.release_on_behalf_of(flight)
-        if flight.holds_prefetch_slot:
-            flight.holds_prefetch_slot = False
-            self.prefetch_slots.release_on_behalf_of(flight)
-
-    def _engine_answer(self, flight: _Flight, slot: CacheSlot | None, answer: bytes | BaseException) -> None:
-        """On the engine's thread: decode and verify the answer, queue it for
-        trio (`_hand_over` wakes trio once the engine's turn is over, for
-        every answer of that turn), then write the chunk into its place in
-        the disk cache (``slot``, read before the hand-off: trio owns the
-        flight once it has the answer)."""
-        size = 0
-        result: bytes | BaseException = answer
-        if not isinstance(answer, BaseException):
-            size = len(answer)
-            try:
-                result = decode_chunk(answer, flight.fp)
-            except BaseException as e:  # noqa: BLE001 - handed to trio
-                result = e
-        self._arrived((flight, result, size), wake=False)  # `_hand_over` wakes trio
-        if self.cache is not None and not isinstance(result, BaseException):
-            _store_chunk(self.cache, flight.fp, result, slot)
-
-    def _engine_done(self, flight: _Flight, result: bytes | BaseException, size: int) -> None:
-        """In trio: a GET of the engine path answered. Bytes finish the
-        flight; an error worth a retry hands it to a task (`_fly`), any
-        other (or the last) fails it."""
-        self._release_slots(flight)
+    # --------------------------------------- the engine path's owner (`flights`)
+    def engine_answered(self, flight: Flight, result: bytes | BaseException, size: int) -> None:
+        """`FlightOwner`, in trio: a GET of the engine path answered (its
+        slots given back). Bytes finish the flight; an error worth a retry
+        hands it to a task (`_fly`), any other (or the last) fails it."""
         name = chunk_name(flight.fp)
         if not isinstance(result, BaseException):
             self.stats["get_bytes"] += size
@@ -1064,7 +901,7 @@ class Fetcher:
             return
         self._count_get_error(name, result, 1, 0.0)
         if _worth_retrying(result) and self.retries > 0 and trio.current_time() < flight.deadline:
-            flight.state = _TASK
+            flight.state = TASK
             assert self._nursery is not None
             self._nursery.start_soon(self._fly, flight, False, result)
             return
@@ -1072,103 +909,18 @@ class Fetcher:
             self._fail(flight, self._gave_up(name, 1, result))
         self._finish(flight)
 
-    async def _watch_queue(self) -> None:
-        """While demand flights wait for a GET slot: fail those whose
-        deadline passes before they get one (a store that holds every slot
-        without answering)."""
-        try:
-            while self._queued_demand:
-                now = trio.current_time()
-                queued = [f for f in self._queued_demand if f.state is _QUEUED]
-                if not queued:
-                    self._queued_demand.clear()
-                    break
-                soonest = min(f.deadline for f in queued)
-                if soonest > now:
-                    await trio.sleep_until(soonest)
-                    continue
-                for flight in queued:
-                    if flight.deadline <= now:
-                        error = TimeoutError("no answer from the store within the %.0fs deadline (last: none)"
-                                             % self.deadline)
-                        self._fail(flight, self._gave_up(chunk_name(flight.fp), 0, error))
-                        self._finish(flight)
-        finally:
-            self._watching = False
+    def queue_expired(self, flight: Flight) -> None:
+        """`FlightOwner`: a demand flight waited for a GET slot until its
+        deadline (a store that holds every slot without answering): failed."""
+        error = TimeoutError("no answer from the store within the %.0fs deadline (last: none)" % self.deadline)
+        self._fail(flight, self._gave_up(chunk_name(flight.fp), 0, error))
+        self._finish(flight)
 
-    async def _get_async(self, backend: Any, name: str, fp: Fprint,
-                         slot: CacheSlot | None) -> tuple[int, bytes] | None:
-        """GET and verify one chunk on the store's HTTP engine, if it has one
-        (`S3Backend.get_async`): no thread per request; the answer is
-        decoded and verified on the engine's thread, which then wakes this
-        task and, after that, writes the chunk to the disk cache in `slot`
-        (its place, `ChunkCache.reserve`). None: no engine path, use a
-        thread."""
-        get_async = getattr(backend, "get_async", None)
-        if get_async is None:
-            return None
-        box: list = []
-        ready = trio.Event()
-
-        cache = self.cache
-
-        def done(answer) -> None:  # on the engine's thread
-            try:
-                if isinstance(answer, BaseException):
-                    box.append(answer)
-                else:
-                    box.append((len(answer), decode_chunk(answer, fp)))
-            except BaseException as e:  # noqa: BLE001 - handed to the task
-                box.append(e)
-            self._arrived(ready)
-            if cache is not None and isinstance(box[0], tuple):
-                _store_chunk(cache, fp, box[0][1], slot)
-
-        if not get_async(name, MAX_CHUNK_BLOB_BYTES, done, timeout=self.timeout):
-            return None
-        await ready.wait()
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        return box[0]
-
-    def _arrived(self, item: trio.Event | tuple, wake: bool = True) -> None:
-        """From the engine's thread: hand ``item`` (an Event to set, or an
-        answer of the engine path for `_engine_done`) to trio. Items that
-        arrive while trio has not yet run the last hand-off join it, so a
-        busy engine wakes trio once per batch, not once per chunk; without
-        ``wake``, `_hand_over` wakes trio later."""
-        with self._arrivals_lock:
-            self._arrivals.append(item)
-            if not wake or self._handing_over:
-                return
-            self._handing_over = True
-        self._wake_trio()
-
-    def _hand_over(self) -> None:
-        """From the engine's thread, at the end of a turn of its loop: wake
-        trio for the answers queued by `_arrived` meanwhile."""
-        with self._arrivals_lock:
-            if not self._arrivals or self._handing_over:
-                return
-            self._handing_over = True
-        self._wake_trio()
-
-    def _wake_trio(self) -> None:
-        try:
-            self._token.run_sync_soon(self._set_arrived)
-        except trio.RunFinishedError:
-            pass  # the mount is gone: nobody waits
-
-    def _set_arrived(self) -> None:
-        with self._arrivals_lock:
-            arrivals, self._arrivals = self._arrivals, []
-            self._handing_over = False
-        for item in arrivals:
-            if isinstance(item, tuple):
-                self._engine_done(*item)
-            else:
-                item.set()
-        self._pump()
+    def run_in_task(self, flight: Flight) -> None:
+        """`FlightOwner`: the engine cannot take the flight: a task runs it."""
+        flight.state = TASK
+        assert self._nursery is not None
+        self._nursery.start_soon(self._fly, flight, False)
 
     def _store_answered(self) -> None:
         if not self.reachable:
