@@ -34,6 +34,15 @@ async def first_replica(cat: Catalog) -> Replica:
     return await cat.decoded(next(iter(cat.entries.values())))
 
 
+def _settled(store) -> None:
+    """Every manifest blob older than the settling time (as a store that
+    has not changed for a while)."""
+    for name in os.listdir(store.manifests.root):
+        path = os.path.join(store.manifests.root, name)
+        if os.path.isfile(path):
+            os.utime(path, (os.stat(path).st_mtime - 60,) * 2)
+
+
 def run(store, fn, **kw):
     async def main():
         fetcher = Fetcher(store, None, concurrency=8)
@@ -100,10 +109,7 @@ def test_bad_manifest_is_skipped(local_store):
     publish(local_store, os.urandom(100), "/ok.db")
     bad_key = manifest_name("/bad.db", "testhost")
     local_store.manifests.put(bad_key, b"garbage")
-    # Older than the settling time (a blob written just now is fetched again).
-    for name in os.listdir(local_store.manifests.root):
-        path = os.path.join(local_store.manifests.root, name)
-        os.utime(path, (os.stat(path).st_mtime - 60,) * 2)
+    _settled(local_store)  # a blob written just now would be fetched again
 
     async def go(cat):
         await cat.refresh()
@@ -359,15 +365,6 @@ def test_base_chunk_as_long_as_a_large_list(local_store):
         assert await r.read(1000 * CHUNK_SIZE, 4096) == bytes(4096)
 
     run(local_store, go)
-
-
-def _settled(store) -> None:
-    """Every manifest blob older than the settling time (as a store that
-    has not changed for a while)."""
-    for name in os.listdir(store.manifests.root):
-        path = os.path.join(store.manifests.root, name)
-        if os.path.isfile(path):
-            os.utime(path, (os.stat(path).st_mtime - 60,) * 2)
 
 
 def test_manifests_read_on_lookup_and_parked_past_the_bound(local_store, tmp_path):

@@ -5,7 +5,6 @@ answers moto never gives (no Content-Length, no answer at all)."""
 from __future__ import annotations
 
 import http.server
-import json
 import os
 import socket
 import threading
@@ -85,17 +84,12 @@ def test_libcurl_signs_what_s3_checks(aws_env, tmp_path):
 
     from support.s3server import S3Server
     with S3Server(auth=True, free_actions=3, log_dir=str(tmp_path)) as server:
-        iam = boto3.client("iam", endpoint_url=server.moto_endpoint, region_name="us-east-1")
-        iam.create_user(UserName="replicas")
-        iam.put_user_policy(UserName="replicas", PolicyName="all", PolicyDocument=json.dumps(
-            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
-        key = iam.create_access_key(UserName="replicas")["AccessKey"]
         from support.s3server import patched_environ
-        good = {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+        good = server.user_credentials("replicas")
         with patched_environ(good):
             s3 = boto3.session.Session().client(
                 "s3", endpoint_url=server.moto_endpoint, region_name="us-east-1",
-                aws_access_key_id=key["AccessKeyId"], aws_secret_access_key=key["SecretAccessKey"])
+                aws_access_key_id=good["AWS_ACCESS_KEY_ID"], aws_secret_access_key=good["AWS_SECRET_ACCESS_KEY"])
             s3.create_bucket(Bucket="signed-chunks")
             s3.create_bucket(Bucket="signed-manifests")
             url = server.url("signed-chunks", "signed-manifests")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import http.client
 import http.server
-import json
 import threading
 import time
 import urllib.parse
@@ -374,12 +373,7 @@ def test_engine_listing_signed_and_refused(aws_env, tmp_path, monkeypatch):
     if not moto_available():
         pytest.skip("moto[server] is not installed")
     with S3Server(auth=True, free_actions=3, log_dir=str(tmp_path)) as server:
-        iam = boto3.client("iam", endpoint_url=server.moto_endpoint, region_name="us-east-1")
-        iam.create_user(UserName="lister")
-        iam.put_user_policy(UserName="lister", PolicyName="all", PolicyDocument=json.dumps(
-            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
-        key = iam.create_access_key(UserName="lister")["AccessKey"]
-        good = {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+        good = server.user_credentials("lister")
         with patched_environ(good):
             admin = boto3.session.Session().client("s3", endpoint_url=server.moto_endpoint, region_name="us-east-1")
             admin.create_bucket(Bucket="signed-listing")

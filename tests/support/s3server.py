@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import json
 import os
 import secrets
 import shutil
@@ -417,6 +418,18 @@ class S3Server:
         if manifest_bucket is not None:
             query["manifest_bucket"] = manifest_bucket
         return f"s3://{chunk_bucket}?" + "&".join(f"{k}={v}" for k, v in query.items())
+
+    def user_credentials(self, name: str) -> dict:
+        """A new IAM user allowed everything (for a server started with
+        ``auth=True``): its keys as the AWS_* environment variables."""
+        import boto3
+
+        iam = boto3.client("iam", endpoint_url=self.moto_endpoint, region_name=REGION)
+        iam.create_user(UserName=name)
+        iam.put_user_policy(UserName=name, PolicyName="all", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
+        key = iam.create_access_key(UserName=name)["AccessKey"]
+        return {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
 
     def make_store(
         self,
