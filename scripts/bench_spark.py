@@ -146,6 +146,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_seconds() -> float:
+    """CPU time the whole machine has spent busy (user, nice, system, irq,
+    softirq; all cores), from /proc/stat: what a query costs every process
+    on the machine, the JVM and Python workers included."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:8]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields)
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 def fanout(args, src: str, store_url: str, runner: Runner, expected: list) -> dict:
     from support.replicas import Mount
     from verneuil_fuse.format import local_hostname
@@ -155,6 +165,7 @@ def fanout(args, src: str, store_url: str, runner: Runner, expected: list) -> di
                 "spark_tuples": runner.spark_tuples}
     out = {v: {"cold": [], "warm": [], "hot": []} for v in variants}
     mount_cpu = {v: {"cold": [], "warm": [], "hot": []} for v in variants}
+    machine_cpu = {v: {"cold": [], "warm": [], "hot": []} for v in variants}
     mounts = 0
     for run in range(args.runs):
         for name, fn in variants.items():
@@ -167,18 +178,19 @@ def fanout(args, src: str, store_url: str, runner: Runner, expected: list) -> di
                 for kind in ["cold"] + ["warm"] * args.warm_runs + ["hot"] * args.warm_runs:
                     if kind != "hot":
                         drop_page_cache()
-                    t, cpu = time.monotonic(), cpu_seconds(m.proc.pid)
+                    t, cpu, busy = time.monotonic(), cpu_seconds(m.proc.pid), machine_busy_seconds()
                     got = fn(paths)
                     dt = time.monotonic() - t
                     mount_cpu[name][kind].append(round(cpu_seconds(m.proc.pid) - cpu, 2))
+                    machine_cpu[name][kind].append(round(machine_busy_seconds() - busy, 2))
                     if got[0] != expected[0] or got[2] != expected[2] or abs(got[1] - expected[1]) > 1e-6 * abs(expected[1]):
                         raise AssertionError("%s %s answered %r, expected %r" % (name, kind, got, expected))
                     out[name][kind].append(round(dt, 3))
-                    log("run %d %s %s: %.2f s (mount CPU %.2f s)"
-                        % (run + 1, name, kind, dt, mount_cpu[name][kind][-1]))
+                    log("run %d %s %s: %.2f s (mount CPU %.2f s, machine CPU %.2f s)"
+                        % (run + 1, name, kind, dt, mount_cpu[name][kind][-1], machine_cpu[name][kind][-1]))
             finally:
                 m.stop()
-    return out, mount_cpu
+    return out, mount_cpu, machine_cpu
 
 
 def overhead(spark, work: str) -> dict:
@@ -250,9 +262,10 @@ def run_fanout(args, spark, pool) -> dict:
     expected = add(one_db(os.path.join(src, f)) for f in sorted(os.listdir(src)))
     runner = Runner(spark, pool)
     runner.spark_query(sorted(os.path.join(src, f) for f in os.listdir(src))[:4])  # JIT warm-up
-    r, cpu = fanout(args, src, store_url, runner, expected)
+    r, cpu, busy = fanout(args, src, store_url, runner, expected)
     f = out["fanout"] = {v: {k: {"median_s": statistics.median(x), "min_s": min(x), "all_s": x,
-                                 "mount_cpu_median_s": statistics.median(cpu[v][k])}
+                                 "mount_cpu_median_s": statistics.median(cpu[v][k]),
+                                 "machine_cpu_median_s": statistics.median(busy[v][k])}
                              for k, x in kinds.items()} for v, kinds in r.items()}
     for kind in ("cold", "warm", "hot"):
         out["spark_vs_loop_" + kind] = round(f["loop"][kind]["median_s"] / f["spark"][kind]["median_s"], 2)
