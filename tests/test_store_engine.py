@@ -56,6 +56,32 @@ def test_engine_path_serves_gets_puts_and_errors(s3_store):
     assert got == {b"x" * 70000: "curl-engine", NotFound: "curl-engine"}
 
 
+def test_put_async_answers_on_the_engine_thread(s3_server, s3_store):
+    """put_async: None once stored, a StoreError otherwise, on the engine's
+    thread; False, with nothing sent, where the engine is not available."""
+    answers = []
+    ready = threading.Event()
+
+    def done(answer):
+        answers.append((answer, threading.current_thread().name))
+        ready.set()
+
+    assert s3_store.chunks.put_async(KEY, b"y" * 70000, done)
+    assert ready.wait(30)
+    assert answers == [(None, "curl-engine")]
+    assert s3_store.chunks.get(KEY) == b"y" * 70000
+    missing = open_store(s3_server.url("no-such-bucket-%d" % os.getpid(), "no-such-manifests-%d" % os.getpid()))
+    try:
+        ready.clear()
+        assert missing.chunks.put_async(KEY, b"data", done)
+        assert ready.wait(30)
+        assert isinstance(answers[-1][0], BucketNotFound) and answers[-1][1] == "curl-engine"
+        missing.chunks.use_engine = False
+        assert not missing.chunks.put_async(KEY, b"data", done)
+    finally:
+        missing.close()
+
+
 def test_engine_missing_bucket_and_creation_on_demand(s3_server):
     # A name of this test's own: the bucket exists once created on demand.
     url = s3_server.url("engine-on-demand-%d" % os.getpid(), s3_server.new_bucket("m", versioned=True))

@@ -41,11 +41,20 @@ from ..store import NotFound, StoreError, TransientError
 from . import spool as sp
 from .pacing import (DEFAULT_BURST, DEFAULT_RATE, Backoff, RecentSet, Stopped,
                      TokenBucket, retry)
-from .pool import DaemonPool
+from .pool import DaemonPool, InFlight
 
 log = logging.getLogger(__name__)
 
 DAY = 86400.0
+# Chunk PUTs one database's pass keeps in flight on the store's HTTP engine
+# when uploads are unpaced: 64 answers per 20 ms round trip is ~200 MB/s of
+# 64 KiB chunks, past what a plain multipart upload reaches on this machine,
+# and the engine's own bound is 128.
+ASYNC_PUTS_IN_FLIGHT = 64
+# Threads that read, check and compress the chunk files for those PUTs:
+# zstd and the fingerprint release the GIL, so about one per core, plus one
+# for the file system calls; more only contend for the GIL.
+PREPARE_THREADS = 3
 
 
 class BadSnapshot(Exception):
@@ -132,6 +141,9 @@ class Copier:
         # Databases are handled in parallel too (their chunk uploads share
         # `_pool`, whose tasks never wait on other tasks: no deadlock).
         self._db_pool = DaemonPool(db_workers, name="copier-db")
+        # Readers of the chunk files uploaded on the store's engine
+        # (`_upload_chunks_async`); their tasks wait only on the engine.
+        self._prepare_pool = DaemonPool(PREPARE_THREADS, name="copier-prepare")
         self._states: dict[str, _DbState] = {}
         self._stats_lock = threading.Lock()
         self._touch_queue: list[tuple[str, str]] = []  # (chunk name, database) to touch
@@ -144,6 +156,7 @@ class Copier:
     def close(self) -> None:
         self._pool.close()
         self._db_pool.close()
+        self._prepare_pool.close()
 
     def stats_snapshot(self) -> dict:
         """`stats` as a dict, read under the lock the workers count under."""
@@ -237,6 +250,25 @@ class Copier:
     def _upload_chunk_file(self, db: sp.DbDir, dirpath: str, name: str) -> bool:
         """Upload one chunk file and unlink it; False if it was a bad copy of
         a chunk (moved aside: its snapshot lacks that chunk)."""
+        got = self._chunk_blob(db, dirpath, name)
+        if isinstance(got, bool):
+            return got
+        raw_len, blob = got
+        self._request(lambda: self.store.chunks.put(name, blob), "put chunk")
+        self._uploaded(dirpath, name, raw_len, len(blob))
+        return True
+
+    def _uploaded(self, dirpath: str, name: str, raw_len: int, sent_len: int) -> None:
+        """A chunk file is in the store: remembered, counted, unlinked."""
+        self.recent.add(name)
+        self._count(chunks_uploaded=1, chunk_bytes_raw=raw_len, chunk_bytes_sent=sent_len)
+        sp.unlink_quiet(os.path.join(dirpath, name))
+
+    def _chunk_blob(self, db: sp.DbDir, dirpath: str, name: str) -> tuple[int, bytes] | bool:
+        """One chunk file read and checked for upload: (its length, its zstd
+        frame), or the outcome when there is nothing to send: True (a chunk
+        sent recently, the zero chunk, or gone), False (a bad copy, moved
+        aside)."""
         path = os.path.join(dirpath, name)
         try:
             fp = fmt.parse_chunk_name(name)
@@ -266,20 +298,15 @@ class Copier:
                 self.verify_chunks and fmt.chunk_fingerprint(data) != fp):
             self._dead_letter(db, path, "mismatch." + name)
             return False
-        blob = fmt.compress_chunk(data)
-        self._request(lambda: self.store.chunks.put(name, blob), "put chunk")
-        self.recent.add(name)
-        self._count(chunks_uploaded=1, chunk_bytes_raw=len(data), chunk_bytes_sent=len(blob))
-        sp.unlink_quiet(path)
-        return True
+        return len(data), fmt.compress_chunk(data)
 
     def _upload_chunk_dir(self, db: sp.DbDir, dirpath: str) -> int:
         """Upload every chunk file in `dirpath`; the number of bad files."""
         names = sp.listdir_or_empty(dirpath)
         if not names:
             return 0
+        names, bad = self._upload_chunks_async(db, dirpath, names)
         results = self._pool.map(lambda n: self._upload_chunk_file(db, dirpath, n), names)
-        bad = 0
         first_error = None
         for ok, value in results:
             if not ok:
@@ -290,6 +317,54 @@ class Copier:
         if first_error is not None:
             raise first_error
         return bad
+
+    def _upload_chunks_async(self, db: sp.DbDir, dirpath: str, names: list[str]) -> tuple[list[str], int]:
+        """Upload the chunk files `names` on the store's HTTP engine
+        (`put_async`: many PUTs in flight, no thread waiting on each) when
+        it has one and uploads are unpaced, as for a first sync; a few
+        threads read, check and compress the files meanwhile. Returns the
+        number of bad files (moved aside) and the names left to
+        `_upload_chunk_file` (which paces, retries, creates a missing bucket
+        and says why a request failed): every name without an engine, else
+        those whose turn came at a deadline or a stop, or whose PUT failed."""
+        put_async = getattr(self.store.chunks, "put_async", None)
+        if put_async is None or self.bucket.rate or len(names) < 2:
+            return names, 0
+        in_flight = InFlight(ASYNC_PUTS_IN_FLIGHT)
+        failed: list[str] = []
+
+        def send(name: str) -> bool | None:
+            """True: sent or nothing to send; False: a bad file, moved
+            aside; None: left to `_upload_chunk_file`."""
+            deadline = self._deadline
+            if self.stop_event.is_set() or (deadline is not None and time.monotonic() >= deadline):
+                return None
+            got = self._chunk_blob(db, dirpath, name)
+            if isinstance(got, bool):
+                return got
+            raw_len, blob = got
+
+            def done(error: StoreError | None) -> None:
+                if error is None:
+                    self._uploaded(dirpath, name, raw_len, len(blob))
+                else:
+                    failed.append(name)
+                in_flight.leave()
+
+            in_flight.enter()
+            self._count(requests=1)
+            if put_async(name, blob, done):
+                return True
+            in_flight.leave()
+            return None
+
+        try:
+            results = self._prepare_pool.map(send, names)
+        finally:
+            in_flight.drain()
+        left = [n for n, (ok, outcome) in zip(names, results) if not ok or outcome is None]
+        bad = sum(1 for ok, outcome in results if ok and outcome is False)
+        return left + failed, bad
 
     # -- manifests ------------------------------------------------------------
 

@@ -72,3 +72,32 @@ class DaemonPool:
             threads, self._threads = self._threads, []
         for _ in threads:
             self._queue.put(_STOP)
+
+
+class InFlight:
+    """Requests under way on an asynchronous transport (the store's HTTP
+    engine), at most `limit` at once: `enter` waits for room, the request's
+    completion calls `leave`, `drain` waits until none is left. Completions
+    always come (the engine answers every request, with an error at its
+    deadline or when it closes), so the waits end."""
+
+    def __init__(self, limit: int):
+        self.limit = max(1, int(limit))
+        self._cond = threading.Condition()
+        self._count = 0
+
+    def enter(self) -> None:
+        with self._cond:
+            while self._count >= self.limit:
+                self._cond.wait()
+            self._count += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._count -= 1
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        with self._cond:
+            while self._count:
+                self._cond.wait()

@@ -717,6 +717,29 @@ class S3Backend:
             self._write("put", key, self.client.put_object, Key=self._full(key), Body=data)
         logger.debug("put %s (%d bytes)", self._where(key), len(data))
 
+    def put_async(self, key: str, data: bytes, done: Callable[[StoreError | None], None]) -> bool:
+        """Start a PUT of `key` on the engine; `done` gets None once it is
+        stored, or the StoreError, on the engine's thread (keep it short;
+        a bucket that answers from another region is an error here: `put`
+        serves it through boto3). False, and nothing started, when the
+        engine path is not available (then call `put`)."""
+        auth = self._engine_auth()
+        if auth is None:
+            return False
+        request = self._engine_build(auth, "PUT", key, bytes(data), None, None)
+
+        def finish(result: Response | OSError) -> None:
+            answer = self._engine_answer("put", key, result, None)
+            if isinstance(answer, _Redirected):
+                answer = TransientError(f"put {self._where(key)}: the bucket answers from another region", key=key)
+            done(answer if isinstance(answer, StoreError) else None)
+
+        try:
+            self._engine.submit(request, finish)
+        except OSError:
+            return False
+        return True
+
     def put_if_absent(self, key: str, data: bytes) -> bool:
         full = self._full(key)
         try:
