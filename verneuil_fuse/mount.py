@@ -75,7 +75,7 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
   refresh=SECONDS         how often the store is polled for new or removed
                           databases and versions (default 10)
   readahead=on|off        sequential readahead (default on)
-  readahead_max=N         largest readahead window, in 64 KiB chunks (default 64)
+  readahead_max=N         largest readahead window, in 64 KiB chunks (default 128)
   cache_readahead_max=N   largest readahead window for chunks already in the
                           disk cache, in chunks: no GET, the kernel is advised
                           to read them from the cache's files (many reads in
@@ -84,7 +84,7 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
   btree_prefetch=on|off   B-tree-aware prefetch of the sibling pages a scan
                           reads next (default on)
   btree_max=N             largest B-tree prefetch window, in chunks (default 32)
-  concurrency=N           parallel GETs to the store, 1-256 (default 64)
+  concurrency=N           parallel GETs to the store, 1-256 (default 128)
   prefetch_concurrency=N  of which prefetches may use at most N (default 3/4)
   retries=N               retries of a failed or slow GET (default 4)
   timeout=SECONDS         time limit of one GET attempt (default 10)

@@ -71,9 +71,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # GETs in flight at once: on the store's HTTP engine (S3) a GET in flight
-# holds no thread, and 64 of them hide 20 ms of latency per request at
-# ~3,000 chunks/s; a directory store's reads run in threads, as many.
-DEFAULT_CONCURRENCY = 64
+# holds no thread, and 128 of them hide 20 ms of latency per request at
+# ~6,000 chunks/s, past what the mount's CPU serves: on the nginx rig a cold
+# scan ran at 195 MB/s and 0.255 ms of CPU per GET against 141 MB/s and
+# 0.30 ms with 64 (more answers per turn of the engine and per wake-up of
+# trio), and 192 or 256 gained nothing more (docs/BENCHMARKS.md). A
+# directory store's reads run in threads, as many: 128 measured the same
+# as 64 there.
+DEFAULT_CONCURRENCY = 128
 # Hydration takes the disk cache's places for this many chunks at a time
 # (1 MiB), back to back, so that the kernel's largest read requests find
 # them in one run even while a second database hydrates alongside.

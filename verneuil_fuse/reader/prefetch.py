@@ -31,10 +31,10 @@ class PrefetchConfig:
     readahead: bool = True
     btree: bool = True
     readahead_initial: int = 2  # chunks
-    # Chunks (4 MiB): what keeps 64 GETs in flight (the fetcher's default
+    # Chunks (8 MiB): what keeps 128 GETs in flight (the fetcher's default
     # concurrency) on a sequential read, enough to hide 20 ms per request
-    # at ~3,000 chunks/s (docs/BENCHMARKS.md, the nginx rig).
-    readahead_max: int = 64
+    # at ~6,000 chunks/s (docs/BENCHMARKS.md, the nginx rig).
+    readahead_max: int = 128
     btree_max: int = 32  # chunks
     # Chunks already in the disk cache cost no GET: up to this many ahead of
     # a sequential read (and those the b-tree prefetch predicts) the kernel
