@@ -352,11 +352,16 @@ class Copier:
                 in_flight.leave()
 
             in_flight.enter()
+            try:
+                started = put_async(name, blob, done)
+            except BaseException:
+                in_flight.leave()
+                raise
+            if not started:
+                in_flight.leave()
+                return None
             self._count(requests=1)
-            if put_async(name, blob, done):
-                return True
-            in_flight.leave()
-            return None
+            return True
 
         try:
             results = self._prepare_pool.map(send, names)
