@@ -463,3 +463,34 @@ def test_unlisted_database_is_found_by_name(local_store):
         assert cat.stats()["catalog"]["direct_found"] == 1
 
     run(local_store, go)
+
+
+def test_a_database_found_by_name_during_a_poll_stays(local_store):
+    """A poll whose listing was taken before a database was published does
+    not remove the database a lookup by name found meanwhile: the entry and
+    its inode stay, with no "gone from the store" in between."""
+    publish(local_store, os.urandom(100), "/d/a.db")
+    _settled(local_store)
+
+    async def go(cat: Catalog):
+        await cat.refresh()
+        d = (await cat.lookup((await cat.lookup(1, "testhost")).inode, "d")).inode
+        list_manifests = cat.fetcher.list_manifests
+        found = []
+
+        async def listing_taken_before_the_publish():
+            infos = await list_manifests()
+            publish(local_store, os.urandom(300), "/d/new.db")
+            found.append(await cat.lookup(d, "new.db"))
+            return infos
+
+        cat.fetcher.list_manifests = listing_taken_before_the_publish
+        await cat.refresh()
+        cat.fetcher.list_manifests = list_manifests
+        assert found[0] is not None
+        assert await cat.lookup(d, "new.db") is found[0]
+        assert [n for n, _ in cat.listdir(d)] == ["a.db", "new.db"]
+        await cat.refresh()  # a listing that shows it
+        assert [n for n, _ in cat.listdir(d)] == ["a.db", "new.db"]
+
+    run(local_store, go)

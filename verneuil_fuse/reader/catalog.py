@@ -268,6 +268,9 @@ class Catalog:
         # Manifest keys looked up directly and absent from the store, until
         # the next poll (see `_lookup_unlisted`).
         self._absent: set[str] = set()
+        # Keys found by name since the running poll began listing: that
+        # listing may predate them, so it does not remove them.
+        self._found_while_listing: set[str] = set()
         self._hydrations: dict[str, _Hydration] = {}
         self._hydrate_slots = trio.Semaphore(HYDRATE_AT_ONCE)
         self._warned_cache_size = False
@@ -583,6 +586,7 @@ class Catalog:
         if entry is None:
             return None
         self.counts["direct_found"] += 1
+        self._found_while_listing.add(key)
         log.info("new database %s (found by name)", os.path.join(parent.path, name))
         try:
             manifest = await self.fetcher.decode_manifest(blob)
@@ -649,6 +653,7 @@ class Catalog:
         """One poll. A listing error is logged and counted, or raised (as a
         StoreError) with ``raise_errors`` (for the first poll at mount)."""
         self.polls += 1
+        self._found_while_listing = set()
         try:
             infos = await self.fetcher.list_manifests()
         except StoreError as e:
@@ -682,7 +687,7 @@ class Catalog:
         if added:
             log.info("%d new database(s) in the store (%d in all)", added, len(self.entries))
         await self._reload(todo)
-        for key in self.entries.keys() - listed:
+        for key in self.entries.keys() - listed - self._found_while_listing:
             self._remove(key)
         for key in self._bad.keys() - listed:
             del self._bad[key]
