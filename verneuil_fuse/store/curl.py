@@ -44,6 +44,9 @@ RECEIVE_BUFFER = 128 << 10
 # What is kept of an error answer's body (S3 error documents are well under
 # 1 KiB): enough for its code and message, never a large body in memory.
 ERROR_BODY_MAX = 64 << 10
+# What epoll watches a socket for, by what libcurl asks.
+_EPOLL_MASKS = {pycurl.POLL_IN: select.EPOLLIN, pycurl.POLL_OUT: select.EPOLLOUT,
+                pycurl.POLL_INOUT: select.EPOLLIN | select.EPOLLOUT}
 # How often transfers are checked for silence (`Request.idle_timeout`), and
 # so the longest wait of the loop with requests in flight (a socket or the
 # pipe wakes it sooner): a tenth of a second is well under any idle bound.
@@ -120,7 +123,17 @@ class CurlEngine:
         self._flushes: set[Callable[[], None]] = set()  # `flush` callbacks owed at the end of this round
         self._active: dict[pycurl.Curl, _Transfer] = {}
         self._next_idle_check = 0.0
-        self._sleeping = False  # in `_wait`'s select: a submit must wake it
+        self._sleeping = False  # in `_wait`'s poll: a submit must wake it
+        # libcurl's socket interface: it says which sockets to watch for
+        # what (`_on_socket`) and when its next timeout is (`_on_timer`);
+        # each turn acts on the sockets epoll found ready, so a turn costs
+        # the transfers that moved, not every transfer in flight.
+        self._epoll = select.epoll()
+        self._epoll.register(self._wake_r, select.EPOLLIN)
+        self._watched: dict[int, int] = {}  # socket -> epoll mask
+        self._timer: float | None = None  # time.monotonic() of libcurl's next timeout
+        self._multi.setopt(pycurl.M_SOCKETFUNCTION, self._on_socket)
+        self._multi.setopt(pycurl.M_TIMERFUNCTION, self._on_timer)
 
     # ------------------------------------------------------------- callers
     def submit(self, request: Request, done: Callable[[Response | OSError], None]) -> None:
@@ -158,6 +171,7 @@ class CurlEngine:
         if thread is not None:
             thread.join(timeout=10)
         if thread is None or not thread.is_alive():
+            self._epoll.close()
             os.close(self._wake_r)
             os.close(self._wake_w)
 
@@ -179,14 +193,10 @@ class CurlEngine:
                 if closed:
                     break
                 self._start_queued()
-                while True:
-                    ret, _running = multi.perform()
-                    if ret != pycurl.E_CALL_MULTI_PERFORM:
-                        break
+                self._act(self._wait())
                 self._finish_done()
                 self._expire_idle()
                 self._flush()
-                self._wait()
         except Exception:  # noqa: BLE001 - a bug here must not hang every caller
             log.exception("HTTP engine failed")
         finally:
@@ -214,34 +224,75 @@ class CurlEngine:
                 self._release(curl)
                 self._call(t, OSError(errno.ETIMEDOUT, "no answer for %.1fs" % t.request.idle_timeout))
 
-    def _wait(self) -> None:
-        """Until a socket is ready, libcurl's next timeout, or a wake-up."""
+    def _on_socket(self, what: int, sock: int, _multi, _data) -> None:
+        """libcurl's SOCKETFUNCTION: watch `sock` for what it says."""
+        if what == pycurl.POLL_REMOVE:
+            if self._watched.pop(sock, None) is not None:
+                try:
+                    self._epoll.unregister(sock)
+                except OSError:
+                    pass  # closed already: epoll forgot it then
+            return
+        mask = _EPOLL_MASKS.get(what, 0)
+        try:
+            if sock in self._watched:
+                self._epoll.modify(sock, mask)
+            else:
+                self._epoll.register(sock, mask)
+        except FileNotFoundError:  # a new socket with a closed one's number
+            self._epoll.register(sock, mask)
+        self._watched[sock] = mask
+
+    def _on_timer(self, timeout_ms: int) -> None:
+        """libcurl's TIMERFUNCTION: its next timeout (-1: none)."""
+        self._timer = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000.0
+
+    def _act(self, events: list[tuple[int, int]]) -> None:
+        """Hand libcurl the sockets epoll found ready, and its timeout when
+        due."""
         multi = self._multi
-        if self._active:
-            timeout_ms = multi.timeout()
-            timeout = min(IDLE_CHECK_SECONDS if timeout_ms < 0 else timeout_ms / 1000.0, IDLE_CHECK_SECONDS)
-            if timeout == 0:
-                return
-            rlist, wlist, xlist = multi.fdset()
+        for sock, ev in events:
+            if sock == self._wake_r:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                continue
+            flags = 0
+            if ev & select.EPOLLIN:
+                flags |= pycurl.CSELECT_IN
+            if ev & select.EPOLLOUT:
+                flags |= pycurl.CSELECT_OUT
+            if ev & (select.EPOLLERR | select.EPOLLHUP):
+                flags |= pycurl.CSELECT_ERR
+            multi.socket_action(sock, flags)
+        if self._timer is not None and time.monotonic() >= self._timer:
+            self._timer = None
+            multi.socket_action(pycurl.SOCKET_TIMEOUT, 0)
+
+    def _wait(self) -> list[tuple[int, int]]:
+        """The ready sockets, waiting until one is ready, libcurl's next
+        timeout, or a wake-up."""
+        if self._timer is not None:
+            timeout = max(0.0, self._timer - time.monotonic())
+            if self._active:
+                timeout = min(timeout, IDLE_CHECK_SECONDS)
         else:
-            timeout, rlist, wlist, xlist = None, [], [], []
+            timeout = IDLE_CHECK_SECONDS if self._active else -1
+        if timeout == 0:
+            return []
         with self._lock:
-            if self._queue or self._closed:
-                return  # queued before `_sleeping` was seen: no wake-up coming
+            if (self._queue and len(self._active) < self.max_in_flight) or self._closed:
+                return []  # queued before `_sleeping` was seen: no wake-up coming
             self._sleeping = True
         try:
-            ready, _, _ = select.select(rlist + [self._wake_r], wlist, xlist, timeout)
+            return self._epoll.poll(timeout)
         except InterruptedError:
-            return
+            return []
         finally:
             with self._lock:
                 self._sleeping = False
-        if self._wake_r in ready:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
 
     def _start_queued(self) -> None:
         while len(self._active) < self.max_in_flight:
