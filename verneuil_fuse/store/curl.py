@@ -185,7 +185,6 @@ class CurlEngine:
 
     # ---------------------------------------------------------------- loop
     def _run(self) -> None:
-        multi = self._multi
         try:
             while True:
                 with self._lock:
