@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -74,6 +75,16 @@ from support.replicas import Mount, unmount  # noqa: E402
 from support.s3server import REGION, S3Server, fake_aws_env, patched_environ  # noqa: E402
 
 MB = 1 << 20
+# The rig's chunk path without FUSE (`_rig_chunk_path`): as many GETs in
+# flight as the mount keeps by default, and chunks packed this many to an
+# object (1 MiB of chunks per GET, s3fs's and rclone's order of request
+# size) for the layout it weighs.
+CHUNK_PATH_IN_FLIGHT = 128
+CHUNK_PATH_BATCH = 32  # requests per submission
+PACK_CHUNKS = 16
+PACK_PREFIX = "pack-"
+# tmpfs, for the files the nginx rig serves (`Bench._rig_static_dir`).
+RAM_DIR = "/dev/shm"
 
 MODES = {
     "quick": dict(size_mb=16, runs=1, point_runs=1, writer_mb=10, writer_rounds=(100, 300),
@@ -508,17 +519,18 @@ class Bench:
                 if spy is not None:
                     spy.send_signal(signal.SIGINT)
                     spy.wait(60)
-                    after = thread_cpu_seconds(m.proc.pid)
+                after = thread_cpu_seconds(m.proc.pid)
+                by_tid = {tid: cpu_s - threads.get(tid, (name, 0.0))[1] for tid, (name, cpu_s) in after.items()}
+                if spy is not None:
                     # By thread id: py-spy's stacks name each thread with its id.
-                    by_name = {tid: cpu_s - threads.get(tid, (name, 0.0))[1]
-                               for tid, (name, cpu_s) in after.items()}
                     with open(os.path.join(self.args.profile, "%s-%d-threads.json" % (system, self.n_mounts)),
                               "w") as f:
-                        json.dump({k: round(v, 3) for k, v in sorted(by_name.items())}, f, indent=1)
+                        json.dump({k: round(v, 3) for k, v in sorted(by_tid.items())}, f, indent=1)
                 d = self.delta(before)
                 d["cpu_s"] = round(process_cpu_seconds(m.proc.pid) - cpu, 3)
                 if d["gets"]:
                     d["cpu_ms_per_get"] = round(d["cpu_s"] * 1e3 / d["gets"], 3)
+                    d["cpu_ms_per_get_by_thread"] = thread_roles(m.proc.pid, after, by_tid, d["gets"])
                 check("%s scan" % system, got, expected_scan)
                 drop_page_cache()
                 before = self.counted()
@@ -584,6 +596,9 @@ class Bench:
                     vals = [r[k] for r in runs if k in r]
                     if vals:
                         fig[k] = median(vals)
+                split = [r["cpu_ms_per_get_by_thread"] for r in runs if "cpu_ms_per_get_by_thread" in r]
+                if split:
+                    fig["cpu_ms_per_get_by_thread"] = {role: median([x[role] for x in split]) for role in split[0]}
                 if kind != "point":
                     fig["MBps"] = round(size / 1e6 / fig["median_s"], 1)
                 agg[kind] = fig
@@ -599,9 +614,13 @@ class Bench:
         if version is None:
             raise RuntimeError("nginx with its echo module is not available (Debian: nginx-light, "
                                "libnginx-mod-http-echo)")
-        static = os.path.join(self.work, "static")
+        static = self._rig_static_dir()
         t = time.monotonic()
         n = self._export_static(static)
+        # Written back before any figure: the kernel's writeback of the
+        # export (twice the database) would otherwise share the cores with
+        # the first measurements.
+        os.sync()
         log("rig: %d chunk objects and the raw file exported in %.0f s" % (n, time.monotonic() - t))
         moto_port = urllib.parse.urlparse(self.server.moto_endpoint).port
         rig = nginx_rig.NginxRig(os.path.join(self.work, "nginx"), static,
@@ -611,6 +630,8 @@ class Bench:
             self.results["rig"] = {"nginx": version, "latency_ms": self.args.latency_ms,
                                    "ceiling": self._rig_ceiling(rig, static)}
             log("rig ceiling: %s" % self.results["rig"]["ceiling"])
+            self.results["rig"]["chunk_path"] = self._rig_chunk_path(rig, static)
+            log("rig chunk path: %s" % self.results["rig"]["chunk_path"])
             self.bench_read("read_rig", RIG_SYSTEMS)
             self.results["rig"]["sync"] = self._rig_sync()
             log("rig sync: %s" % self.results["rig"]["sync"])
@@ -618,6 +639,17 @@ class Bench:
             self.proxy = proxy
             rig.close()
             shutil.rmtree(static, ignore_errors=True)
+
+    def _rig_static_dir(self) -> str:
+        """Where nginx's files go: in RAM (tmpfs) when it has room, so that
+        the rig serves them from memory however long the benchmark runs
+        (this VM's host pages out what stays untouched for a minute, files
+        included, and nginx's one worker then waits on the disk for each);
+        else in the work directory."""
+        need = 3 * os.path.getsize(self.db)  # the chunk objects, the raw file, the packs
+        if os.path.isdir(RAM_DIR) and shutil.disk_usage(RAM_DIR).free > need + MB * 1024:
+            return tempfile.mkdtemp(prefix="bench-rig-", dir=RAM_DIR)
+        return os.path.join(self.work, "static")
 
     def _rig_sync(self) -> dict:
         """The initial sync again, to the rig (chunk PUTs land in nginx's
@@ -706,6 +738,29 @@ class Bench:
                         % (64, self.args.latency_ms, 64 / (self.args.latency_ms / 1e3))
                         if self.args.latency_ms else "nginx's one worker")
         return out
+
+    def _rig_chunk_path(self, rig, static: str) -> dict:
+        """The mount's work per chunk on its HTTP engine's side, without
+        FUSE (`chunk_path_run`): one GET per chunk object, then the same
+        chunks packed `PACK_CHUNKS` to an object (`make_packs`), the layout
+        docs/BENCHMARKS.md weighs."""
+        import multiprocessing
+
+        chunk_dir = os.path.join(static, self.chunks_bucket)
+        singles, packs = make_packs(chunk_dir)
+        os.sync()  # the packs written back before the figures, as the export
+        url = "%s/%s/" % (rig.endpoint, self.chunks_bucket)
+        # Each run in a new process, as a mount is: in this one, what the
+        # earlier phases left (the copier's objects, boto3's, the proxy's
+        # threads) made the same work cost up to twice as much.
+        try:
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                return {"chunks": len(singles), "in_flight": CHUNK_PATH_IN_FLIGHT, "pack_chunks": PACK_CHUNKS,
+                        "singles": pool.apply(chunk_path_run, (url, singles, self.work)),
+                        "packs": pool.apply(chunk_path_run, (url, packs, self.work))}
+        finally:
+            for pack, _ in packs:
+                os.unlink(os.path.join(chunk_dir, pack))
 
     # -- 6. fan-out -------------------------------------------------------
     def bench_fanout(self) -> None:
@@ -965,6 +1020,114 @@ def thread_cpu_seconds(pid: int) -> dict:
         fields = text.rsplit(")", 1)[1].split()
         out[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)
     return out
+
+
+def make_packs(chunk_dir: str) -> tuple[list, list]:
+    """The chunk objects of `chunk_dir` one by one, and packed
+    `PACK_CHUNKS` to an object (their blobs back to back, written there as
+    `PACK_PREFIX`... files): two lists of (object name, [(fingerprint, offset
+    in the object, blob size)])."""
+    from verneuil_fuse.format.names import parse_chunk_name
+
+    names = sorted(n for n in os.listdir(chunk_dir) if not n.startswith(PACK_PREFIX))
+    singles, packs = [], []
+    for i in range(0, len(names), PACK_CHUNKS):
+        pack = "%s%06d" % (PACK_PREFIX, i // PACK_CHUNKS)
+        group, off = [], 0
+        with open(os.path.join(chunk_dir, pack), "wb") as out:
+            for name in names[i:i + PACK_CHUNKS]:
+                with open(os.path.join(chunk_dir, name), "rb") as f:
+                    blob = f.read()
+                out.write(blob)
+                fp = parse_chunk_name(name)
+                singles.append((name, [(fp, 0, len(blob))]))
+                group.append((fp, off, len(blob)))
+                off += len(blob)
+        packs.append((pack, group))
+    return singles, packs
+
+
+def chunk_path_run(url: str, objects: list, work: str) -> dict:
+    """GET every object of `objects` (`make_packs`'s lists) under `url` on
+    the project's HTTP engine (`store.curl.CurlEngine`,
+    `CHUNK_PATH_IN_FLIGHT` in flight) and, on the engine's thread as the
+    mount does, decode and verify each chunk and write it to a new file:
+    chunks/s and the CPU per chunk of this thread and the engine's."""
+    import threading
+
+    from verneuil_fuse.format import CHUNK_SIZE, decode_chunk
+    from verneuil_fuse.store.curl import CurlEngine, Request
+
+    nchunks = sum(len(group) for _, group in objects)
+    # A new file, as a cold mount's cache: every write takes fresh pages.
+    sink = tempfile.TemporaryFile(dir=work)
+    engine = CurlEngine(CHUNK_PATH_IN_FLIGHT)
+    done = threading.Semaphore(0)
+    errors: list = []
+    engine_tid: set = set()
+    slot = iter(range(nchunks))
+
+    def answer(group, result) -> None:  # on the engine's thread
+        engine_tid.add(str(threading.get_native_id()))
+        try:
+            if isinstance(result, OSError) or result.status != 200:
+                raise RuntimeError("GET failed: %r" % (result,))
+            body = result.body
+            for fp, off, size in group:
+                data = decode_chunk(body[off:off + size] if len(group) > 1 else body, fp)
+                os.pwrite(sink.fileno(), data, next(slot) * CHUNK_SIZE)
+        except Exception as e:  # noqa: BLE001 - counted, then raised below
+            errors.append(e)
+        finally:
+            done.release()
+
+    def wait_answer() -> None:
+        if not done.acquire(timeout=600):
+            raise RuntimeError("chunk path: no answer in 600 s")
+
+    try:
+        engine.submit_many([])  # its thread started
+        c0, t0 = thread_cpu_seconds(os.getpid()), time.monotonic()
+        # Submitted as answers come back, a few in the engine's queue beyond
+        # those in flight, as the mount's readahead does (not thousands at
+        # once: their objects would weigh on every pass of Python's garbage
+        # collector).
+        answered = 0
+        for i in range(0, len(objects), CHUNK_PATH_BATCH):
+            while i - answered > CHUNK_PATH_IN_FLIGHT:
+                wait_answer()
+                answered += 1
+            engine.submit_many([(Request("GET", url + urllib.parse.quote(name, safe=""), []),
+                                 functools.partial(answer, group))
+                                for name, group in objects[i:i + CHUNK_PATH_BATCH]])
+        for _ in range(len(objects) - answered):
+            wait_answer()
+        dt, c1 = time.monotonic() - t0, thread_cpu_seconds(os.getpid())
+    finally:
+        engine.close()
+        sink.close()
+    if errors:
+        raise RuntimeError("chunk path: %d answers failed, first: %s" % (len(errors), errors[0]))
+    # This thread's CPU and the engine's, not the process's: the proxy's
+    # threads and what earlier phases left run beside.
+    cpu = sum(c1[tid][1] - c0.get(tid, ("", 0.0))[1]
+              for tid in {str(threading.get_native_id()), *engine_tid} if tid in c1)
+    return {"GETs": len(objects), "s": round(dt, 3), "chunks_per_s": round(nchunks / dt),
+            "cpu_ms_per_chunk": round(cpu * 1e3 / nchunks, 3)}
+
+
+def thread_roles(pid: int, names: dict, cpu_by_tid: dict, gets: int) -> dict:
+    """A mount's CPU per GET by what its threads do: trio's (the main
+    thread: FUSE requests and replies, flights, readahead), trio's worker
+    threads (named so by trio), and the HTTP engines' (the other threads,
+    which Python leaves unnamed: requests, decoding and verifying answers,
+    cache writes)."""
+    roles = {"trio": 0.0, "engine": 0.0, "workers": 0.0}
+    for tid, cpu_s in cpu_by_tid.items():
+        name = names.get(tid, ("", 0.0))[0]
+        role = "trio" if tid == str(pid) else "workers" if name.startswith("Trio thread") else "engine"
+        roles[role] += cpu_s
+    return {role: round(cpu_s * 1e3 / gets, 3) for role, cpu_s in roles.items()}
 
 
 def loadavg() -> float | None:

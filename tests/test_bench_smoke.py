@@ -110,7 +110,17 @@ def test_rig_figures(quick_results):
     chunks = r["read_rig"]["db_bytes"] // 65536
     assert chunks - 2 <= scan["gets"] <= chunks + 8  # one GET per chunk, chunk 0 in the manifest
     assert scan["MBps"] > 0 and scan["cpu_ms_per_get"] > 0
+    split = scan["cpu_ms_per_get_by_thread"]  # the threads' shares of the process's CPU
+    assert split["trio"] > 0 and split["engine"] > 0
+    assert sum(split.values()) <= scan["cpu_ms_per_get"] * 1.1 + 0.05
     assert systems["s3fs"]["scan"]["gets"] < scan["gets"]  # ranges, not chunks
+    # The engine's side alone: every chunk object, one by one, then packed.
+    path = r["rig"]["chunk_path"]
+    assert chunks - 2 <= path["chunks"] <= chunks + 8
+    assert path["singles"]["GETs"] == path["chunks"]
+    assert path["packs"]["GETs"] == -(-path["chunks"] // path["pack_chunks"])
+    for run in (path["singles"], path["packs"]):
+        assert run["chunks_per_s"] > 0 and run["cpu_ms_per_chunk"] > 0
 
 
 def test_writer_and_copier_figures(quick_results):

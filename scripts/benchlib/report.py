@@ -181,6 +181,21 @@ def markdown(r: dict) -> str:
                 "%s ms" % sc["cpu_ms_per_get"] if "cpu_ms_per_get" in sc else "–",
                 _s(w.get("median_s")), _s(hot.get("median_s"))))
         lines.append("")
+        split = _get(rread, "systems", "verneuil", "scan", "cpu_ms_per_get_by_thread")
+        if split:
+            lines += ["This mount's CPU per GET over the cold scan, by thread: trio's %s ms (FUSE requests "
+                      "and replies, flights, readahead), the HTTP engine's %s ms (requests, decoding and "
+                      "verifying answers, cache writes), trio's workers %s ms." % (
+                          split["trio"], split["engine"], split["workers"]), ""]
+        cp = rig.get("chunk_path")
+        if cp:
+            one, packed = cp["singles"], cp["packs"]
+            lines += ["The engine's side alone, without FUSE (the benchmark's process, %d GETs in flight, each "
+                      "answer decoded, verified and written to a file): one GET per chunk object, %s chunks/s "
+                      "at %s ms of CPU per chunk; the same %s chunks packed %d to an object (one GET per "
+                      "pack), %s chunks/s at %s ms per chunk." % (
+                          cp["in_flight"], _n(one["chunks_per_s"]), one["cpu_ms_per_chunk"], _n(cp["chunks"]),
+                          cp["pack_chunks"], _n(packed["chunks_per_s"]), packed["cpu_ms_per_chunk"]), ""]
         sy = rig.get("sync")
         if sy:
             lines += ["Initial sync to the rig (chunk PUTs land in nginx's files): %s %s MB/s (%s s, "
