@@ -643,9 +643,9 @@ class Bench:
     def _rig_static_dir(self) -> str:
         """Where nginx's files go: in RAM (tmpfs) when it has room, so that
         the rig serves them from memory however long the benchmark runs
-        (this VM's host pages out what stays untouched for a minute, files
-        included, and nginx's one worker then waits on the disk for each);
-        else in the work directory."""
+        (this VM's host pages out what stays untouched for a minute, page
+        cache included, which would leave nginx's one worker waiting on the
+        disk); else in the work directory."""
         need = 3 * os.path.getsize(self.db)  # the chunk objects, the raw file, the packs
         if os.path.isdir(RAM_DIR) and shutil.disk_usage(RAM_DIR).free > need + MB * 1024:
             return tempfile.mkdtemp(prefix="bench-rig-", dir=RAM_DIR)
@@ -750,9 +750,9 @@ class Bench:
         singles, packs = make_packs(chunk_dir)
         os.sync()  # the packs written back before the figures, as the export
         url = "%s/%s/" % (rig.endpoint, self.chunks_bucket)
-        # Each run in a new process, as a mount is: in this one, what the
-        # earlier phases left (the copier's objects, boto3's, the proxy's
-        # threads) made the same work cost up to twice as much.
+        # Each run in a new process, as a mount is, so that what the earlier
+        # phases left in this one (the copier's objects, boto3's, the
+        # proxy's threads) does not weigh on it.
         try:
             with multiprocessing.get_context("spawn").Pool(1) as pool:
                 return {"chunks": len(singles), "in_flight": CHUNK_PATH_IN_FLIGHT, "pack_chunks": PACK_CHUNKS,
