@@ -1,6 +1,8 @@
 """Build hooks that pyproject.toml cannot express: the cffi modules.
 
 - verneuil_fuse.format._umash: UMASH (csrc/umash.c) for Python.
+- verneuil_fuse.reader._chunk_engine: the reader's chunk GETs in C
+  (csrc/chunk_engine.c, with libcurl, libzstd and zlib).
 - writer_vfs._vfs: the VFS (csrc/) linked with the system libsqlite3, for
   Python's sqlite3 module.
 - writer_vfs/libverneuil_vfs: the same C built as a SQLite loadable extension.
@@ -23,6 +25,7 @@ _LOADABLE_VFS = Extension(
 setup(
     cffi_modules=[
         "verneuil_fuse/format/_umash_build.py:ffibuilder",
+        "verneuil_fuse/reader/_chunk_engine_build.py:ffibuilder",
         "writer_vfs/_vfs_build.py:ffibuilder",
     ],
     ext_modules=[_LOADABLE_VFS],

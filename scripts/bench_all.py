@@ -740,10 +740,11 @@ class Bench:
         return out
 
     def _rig_chunk_path(self, rig, static: str) -> dict:
-        """The mount's work per chunk on its HTTP engine's side, without
-        FUSE (`chunk_path_run`): one GET per chunk object, then the same
-        chunks packed `PACK_CHUNKS` to an object (`make_packs`), the layout
-        docs/BENCHMARKS.md weighs."""
+        """The mount's work per chunk on its engine's side, without FUSE:
+        one GET per chunk object on the chunk engine in C, the mount's
+        (`chunk_engine_run`); the same on the store's HTTP engine in Python
+        (`chunk_path_run`), then the same chunks packed `PACK_CHUNKS` to an
+        object (`make_packs`), the layout docs/BENCHMARKS.md weighs."""
         import multiprocessing
 
         chunk_dir = os.path.join(static, self.chunks_bucket)
@@ -756,6 +757,7 @@ class Bench:
         try:
             with multiprocessing.get_context("spawn").Pool(1) as pool:
                 return {"chunks": len(singles), "in_flight": CHUNK_PATH_IN_FLIGHT, "pack_chunks": PACK_CHUNKS,
+                        "engine": pool.apply(chunk_engine_run, (url, singles, self.work)),
                         "singles": pool.apply(chunk_path_run, (url, singles, self.work)),
                         "packs": pool.apply(chunk_path_run, (url, packs, self.work))}
         finally:
@@ -1047,9 +1049,57 @@ def make_packs(chunk_dir: str) -> tuple[list, list]:
     return singles, packs
 
 
+def chunk_engine_run(url: str, objects: list, work: str) -> dict:
+    """GET every chunk object of `objects` (`make_packs`'s singles) under
+    `url` on the mount's chunk engine in C (`reader.chunk_engine`,
+    `CHUNK_PATH_IN_FLIGHT` in flight): each decoded, verified and written
+    to a new file with its index record to another, on the engine's thread,
+    as the mount's disk cache has them: chunks/s and the CPU per chunk of
+    the process (this run's only work)."""
+    import resource
+
+    import trio
+
+    from verneuil_fuse.format import CHUNK_SIZE, MAX_CHUNK_BLOB_BYTES
+    from verneuil_fuse.reader.chunk_engine import ChunkEngine
+
+    sink, index = tempfile.TemporaryFile(dir=work), tempfile.TemporaryFile(dir=work)
+    engine = ChunkEngine(CHUNK_PATH_IN_FLIGHT, MAX_CHUNK_BLOB_BYTES)
+    engine.set_auth([], None, 3.0, 15.0)
+    failed: list = []
+
+    async def run() -> None:
+        started = ended = 0
+        with trio.fail_after(600):
+            while ended < len(objects):
+                n = min(engine.free, len(objects) - started)
+                engine.start((k, url + urllib.parse.quote(objects[k][0], safe=""), objects[k][1][0][0],
+                              (sink.fileno(), index.fileno(), k * CHUNK_SIZE), 60.0)
+                             for k in range(started, started + n))
+                started += n
+                for k, outcome in await engine.answers():
+                    ended += 1
+                    if not outcome.written:
+                        failed.append((objects[k][0], outcome))
+
+    try:
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        trio.run(run)
+        dt, r1 = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    finally:
+        engine.close()
+        sink.close()
+        index.close()
+    if failed:
+        raise RuntimeError("chunk engine: %d GETs failed, first: %s" % (len(failed), failed[0]))
+    cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+    return {"GETs": len(objects), "s": round(dt, 3), "chunks_per_s": round(len(objects) / dt),
+            "cpu_ms_per_chunk": round(cpu * 1e3 / len(objects), 3)}
+
+
 def chunk_path_run(url: str, objects: list, work: str) -> dict:
     """GET every object of `objects` (`make_packs`'s lists) under `url` on
-    the project's HTTP engine (`store.curl.CurlEngine`,
+    the store's HTTP engine in Python (`store.curl.CurlEngine`,
     `CHUNK_PATH_IN_FLIGHT` in flight) and, on the engine's thread as the
     mount does, decode and verify each chunk and write it to a new file:
     chunks/s and the CPU per chunk of this thread and the engine's."""

@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 APT_PACKAGES=(
   fuse3 libfuse3-dev pkg-config      # pyfuse3 builds against libfuse3
   gcc libc6-dev                      # the cffi modules and the SQLite extension
+  libcurl4-openssl-dev libzstd-dev zlib1g-dev  # the reader's chunk engine in C (csrc/chunk_engine.c)
   sqlite3 libsqlite3-dev             # the shell, and sqlite3.h/sqlite3ext.h
   protobuf-compiler                  # scripts/gen_proto.sh
   default-jre-headless               # the JVM under PySpark

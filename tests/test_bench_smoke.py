@@ -114,12 +114,13 @@ def test_rig_figures(quick_results):
     assert split["trio"] > 0 and split["engine"] > 0
     assert sum(split.values()) <= scan["cpu_ms_per_get"] * 1.1 + 0.05
     assert systems["s3fs"]["scan"]["gets"] < scan["gets"]  # ranges, not chunks
-    # The engine's side alone: every chunk object, one by one, then packed.
+    # The engine's side alone: every chunk object, one by one (in C, then
+    # in Python), then packed.
     path = r["rig"]["chunk_path"]
     assert chunks - 2 <= path["chunks"] <= chunks + 8
-    assert path["singles"]["GETs"] == path["chunks"]
+    assert path["engine"]["GETs"] == path["singles"]["GETs"] == path["chunks"]
     assert path["packs"]["GETs"] == -(-path["chunks"] // path["pack_chunks"])
-    for run in (path["singles"], path["packs"]):
+    for run in (path["engine"], path["singles"], path["packs"]):
         assert run["chunks_per_s"] > 0 and run["cpu_ms_per_chunk"] > 0
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
@@ -13,6 +14,7 @@ from verneuil_fuse.reader.cache import FORMAT_DIR, ChunkCache
 from verneuil_fuse.reader.fetcher import FetchError, Fetcher
 from verneuil_fuse.format import compress_chunk, fingerprint
 from verneuil_fuse.store import NotFound, TransientError
+from verneuil_fuse.store.s3 import DirectGets
 
 
 class Faulty:
@@ -385,16 +387,24 @@ def test_engine_path_demand_joins_a_queued_prefetch(s3_store):
 
 
 class SilentEngine:
-    """A chunks backend with an engine path that takes every GET and never
-    answers (a store that holds every connection)."""
+    """A chunks backend whose engine path GETs from a server that takes
+    every connection and never answers (a listening socket nobody
+    accepts on)."""
 
     def __init__(self, inner):
         self.inner = inner
         self.sent: list[str] = []
+        self.failures: list = []
+        self.server = socket.create_server(("127.0.0.1", 0), backlog=64)
 
-    def get_async_batch(self, items, max_bytes, flush=None):
-        self.sent.extend(key for key, _timeout, _done in items)
-        return True
+    def direct_gets(self):
+        port = self.server.getsockname()[1]
+        return DirectGets(lambda key: self.sent.append(key) or "http://127.0.0.1:%d/b/%s" % (port, key),
+                          [], None, 1.0, 15.0)
+
+    def direct_get_error(self, key, failure, max_bytes):
+        self.failures.append(failure)
+        return TransientError("GET %s: %s" % (key, failure), key=key)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -402,34 +412,43 @@ class SilentEngine:
 
 def test_engine_path_queued_demand_fails_at_its_deadline(chunks):
     """A demand read queued behind GETs that never answer fails with an
-    error at its deadline, never waits longer; nothing is sent for it."""
+    error at its deadline, never waits longer; nothing is sent for it. The
+    GET that holds the slot ends at its own time limit."""
     store, fps, pub = chunks
     store.chunks = SilentEngine(store.chunks.inner)
-    f = Fetcher(store, None, concurrency=1, deadline=0.3)
+    f = Fetcher(store, None, concurrency=1, deadline=0.3, retries=0)
 
     async def go():
-        f.prefetch(fps[:1])  # holds the only GET slot, forever
+        f.prefetch(fps[:1])  # holds the only GET slot until its time limit
         start = trio.current_time()
         with pytest.raises(FetchError, match="deadline"):
             await f.get(fps[1])
-        return trio.current_time() - start
+        took = trio.current_time() - start
+        with trio.fail_after(5):
+            while f._inflight:
+                await trio.sleep(0.05)
+        return took
 
-    took = run(f, go)
+    try:
+        took = run(f, go)
+    finally:
+        store.chunks.server.close()
     assert 0.25 <= took < 2 and store.chunks.sent == [fps[0].name]
-    assert f.stats["failed"] == 1 and not f._engine.queued_demand and fps[1] not in f._inflight
+    assert f.stats["failed"] == 2 and not f._engine.queued_demand and fps[1] not in f._inflight
+    assert [type(e) for e in store.chunks.failures] == [TimeoutError]
 
 
 class RefusingEngine:
-    """A chunks backend with an engine path that turns out to be off: it
-    takes no GET (`get_async_batch` says False)."""
+    """A chunks backend whose engine path turns out to be off: it gives no
+    URLs (`direct_gets` says None)."""
 
     def __init__(self, inner):
         self.inner = inner
-        self.refused = 0
+        self.asked = 0
 
-    def get_async_batch(self, items, max_bytes, flush=None):
-        self.refused += len(items)
-        return False
+    def direct_gets(self):
+        self.asked += 1
+        return None
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -454,6 +473,6 @@ def test_engine_path_refused_runs_flights_in_tasks(chunks, tmp_path):
     bufs, got = run(f, go)
     assert [bytes(b) for b in bufs] == [pub.chunks[fp] for fp in fps[2:]]
     assert got == [pub.chunks[fp] for fp in fps]
-    assert store.chunks.refused == 2  # the first submission (2 prefetch slots), then no more
+    assert store.chunks.asked == 1  # the first submission, then no more
     assert f.io_limiter.borrowed_tokens == 0 and f.prefetch_slots.borrowed_tokens == 0
     assert f.stats["failed"] == 0 and not f._inflight

@@ -4,6 +4,7 @@ its signature checks on), and small HTTP servers of the test's own for
 answers moto never gives (no Content-Length, no answer at all)."""
 from __future__ import annotations
 
+import errno
 import http.server
 import os
 import socket
@@ -40,20 +41,16 @@ def test_engine_path_serves_gets_puts_and_errors(s3_store):
     assert e.value.size == 70000 and e.value.bound == 69999
     with pytest.raises(NotFound):
         backend.get(KEY + "0", max_bytes=10)  # an error body longer than the bound
-    # Asynchronous: the answer on the engine's thread, bytes or a StoreError.
-    answers = []
-    ready = threading.Event()
-
-    def done(answer):
-        answers.append((answer, threading.current_thread().name))
-        if len(answers) == 2:
-            ready.set()
-
-    assert backend.get_async(KEY, 100_000, done)
-    assert backend.get_async(KEY + "1", 100_000, done)
-    assert ready.wait(30)
-    got = {a if isinstance(a, bytes) else type(a): name for a, name in answers}
-    assert got == {b"x" * 70000: "curl-engine", NotFound: "curl-engine"}
+    # What the reader's chunk engine gets: the URL and signing of the same
+    # GETs, and the StoreError each failure means.
+    gets = backend.direct_gets()
+    assert gets.url(KEY) == backend._engine_build(backend._engine_auth(), "GET", KEY, None, None, None).url
+    assert gets.url(KEY).endswith("/" + KEY.replace("%", "%25")) and gets.sigv4[0] == "aws:amz:us-east-1:s3"
+    assert isinstance(backend.direct_get_error(KEY, Response(404, b"<Code>NoSuchKey</Code>"), 10), NotFound)
+    assert isinstance(backend.direct_get_error(KEY, BodyTooLarge(10, 70000), 10), TooLarge)
+    assert isinstance(backend.direct_get_error(KEY, OSError(errno.ECONNRESET, "reset"), 10), TransientError)
+    backend.use_engine = False
+    assert backend.direct_gets() is None
 
 
 def test_put_async_answers_on_the_engine_thread(s3_server, s3_store):

@@ -184,17 +184,20 @@ def markdown(r: dict) -> str:
         split = _get(rread, "systems", "verneuil", "scan", "cpu_ms_per_get_by_thread")
         if split:
             lines += ["This mount's CPU per GET over the cold scan, by thread: trio's %s ms (FUSE requests "
-                      "and replies, flights, readahead), the HTTP engine's %s ms (requests, decoding and "
-                      "verifying answers, cache writes), trio's workers %s ms." % (
+                      "and replies, flights, readahead), the engines' %s ms (the chunk engine in C: requests, "
+                      "decoding and verifying answers, cache writes; the store's for manifests), trio's "
+                      "workers %s ms." % (
                           split["trio"], split["engine"], split["workers"]), ""]
         cp = rig.get("chunk_path")
         if cp:
-            one, packed = cp["singles"], cp["packs"]
-            lines += ["The engine's side alone, without FUSE (the benchmark's process, %d GETs in flight, each "
-                      "answer decoded, verified and written to a file): one GET per chunk object, %s chunks/s "
-                      "at %s ms of CPU per chunk; the same %s chunks packed %d to an object (one GET per "
-                      "pack), %s chunks/s at %s ms per chunk." % (
-                          cp["in_flight"], _n(one["chunks_per_s"]), one["cpu_ms_per_chunk"], _n(cp["chunks"]),
+            c, one, packed = cp["engine"], cp["singles"], cp["packs"]
+            lines += ["The engine's side alone, without FUSE (a process of the benchmark's, %d GETs in flight, "
+                      "each answer decoded, verified and written to a file): one GET per chunk object on the "
+                      "mount's chunk engine in C, %s chunks/s at %s ms of CPU per chunk; the same on the "
+                      "store's HTTP engine in Python, %s chunks/s at %s ms; the same %s chunks packed %d to an "
+                      "object (one GET per pack, the engine in Python), %s chunks/s at %s ms per chunk." % (
+                          cp["in_flight"], _n(c["chunks_per_s"]), c["cpu_ms_per_chunk"],
+                          _n(one["chunks_per_s"]), one["cpu_ms_per_chunk"], _n(cp["chunks"]),
                           cp["pack_chunks"], _n(packed["chunks_per_s"]), packed["cpu_ms_per_chunk"]), ""]
         sy = rig.get("sync")
         if sy:

@@ -445,7 +445,12 @@ def decode_chunk(blob: bytes, expected: Fprint, max_size: int = CHUNK_SIZE) -> b
             return data
     if len(blob) <= max_size and fingerprint(blob, CHUNK_KEY) == expected:
         return bytes(blob)
-    raise ChunkError("chunk %s: bytes do not match its fingerprint" % expected.name)
+    raise chunk_mismatch(expected)
+
+
+def chunk_mismatch(expected: Fprint) -> ChunkError:
+    """The error of a blob that is not the chunk `expected` names."""
+    return ChunkError("chunk %s: bytes do not match its fingerprint" % expected.name)
 
 
 def base_chunk_limit(max_db_size: int = DEFAULT_MAX_DB_SIZE) -> int:

@@ -52,10 +52,11 @@ costs neither errors nor a log line per chunk.
 
 What the fetcher uses: from the trio thread, the calls that never wait on
 the disk (`has_indexed`, `might_have`, `get_nowait`, ``read_into(...,
-nowait=True)``, `reserve`, `CacheSlot.abandon`); from worker threads (or the
-HTTP engine's), those that may (`get`, `has_blocking`, `read_into`,
-`advise`, `put`, `CacheSlot.write`); `describe` and `capacity` for its
-stats. All methods are thread-safe.
+nowait=True)``, `reserve`, `CacheSlot.abandon`, and `CacheSlot.target` and
+`CacheSlot.written` around the chunk engine's own writes); from worker
+threads, those that may (`get`, `has_blocking`, `read_into`, `advise`,
+`put`, `CacheSlot.write`); `describe` and `capacity` for its stats. All
+methods are thread-safe.
 """
 from __future__ import annotations
 
@@ -187,7 +188,7 @@ class CacheSlot:
 
     def write(self, fp: Fprint, data: bytes) -> None:
         """Store a chunk whose bytes were verified against ``fp`` in this
-        slot (blocking I/O: a worker thread's or the HTTP engine's). When
+        slot (blocking I/O: a worker thread's). When
         the slot's segment went meanwhile, the chunk is appended like a
         `ChunkCache.put`."""
         self._cache._store(fp, data, self)
@@ -197,6 +198,24 @@ class CacheSlot:
         a hole in the segment, or its end again if it was the last slot."""
         if self._seg is not None:
             self._cache._abandon(self)
+
+    def target(self, fp: Fprint) -> tuple[int, int, int] | None:
+        """Where a writer outside Python (the chunk engine's thread) puts
+        the chunk ``fp`` and then its index record: ``(segment fd, index
+        fd, offset)``, kept open by the slot until `written`. None: write it
+        with `write` instead (the segment has no files yet, writes are
+        paused, the chunk is cached already)."""
+        return self._cache._target(self, fp)
+
+    def written(self, fp: Fprint, length: int, ok: bool, error: int) -> bool:
+        """After a write to `target`: ``ok``, the ``length`` bytes and their
+        record are there (the chunk joins the index); else ``error``, the
+        errno of the failed write (writes pause), or 0 when nothing was
+        written. False: nothing was, `write` still may."""
+        if not ok and not error:
+            return False
+        self._cache._written(self, fp, length, None if ok else OSError(error, os.strerror(error)))
+        return True
 
 
 class ChunkCache:
@@ -542,25 +561,43 @@ class ChunkCache:
                     self.stats["puts_skipped"] += 1
                     return
             fd, idx_fd = seg.fd, seg.idx_fd
-        ok = False
         error: OSError | None = None
         try:
             os.pwrite(fd, data, off)
             os.write(idx_fd, encode_record(fp, off, length))
-            ok = True
         except OSError as e:
             error = e
         with self._lock:
-            if ok and not seg.dead:
-                seg.idx_bytes += RECORD.size
-                seg.fps.append(fp)
-                self._index[fp] = (seg, off, length)
-                self.stats["puts"] += 1
-            elif not ok:
-                if seg is self._active:
-                    self._seal_locked(seg)  # a failed write: a new segment after the pause
-                self._pause_locked("cannot write chunk %016x/%016x: %s" % (fp.major, fp.minor, error.strerror or error))
-            self._release_locked(seg)
+            self._record_locked(seg, fp, off, length, error)
+
+    def _target(self, slot: CacheSlot, fp: Fprint) -> tuple[int, int, int] | None:
+        with self._lock:
+            seg = slot._seg
+            if seg is None or seg.dead or seg.fd < 0 or seg.idx_fd < 0 or self._closed or fp in self._index \
+                    or (self._paused_until and time.monotonic() < self._paused_until):
+                return None
+            return seg.fd, seg.idx_fd, slot._off
+
+    def _written(self, slot: CacheSlot, fp: Fprint, length: int, error: OSError | None) -> None:
+        with self._lock:
+            off = slot._off
+            seg = self._free_slot_locked(slot, length)
+            if seg is not None:
+                self._record_locked(seg, fp, off, length, error)
+
+    def _record_locked(self, seg: _Segment, fp: Fprint, off: int, length: int, error: OSError | None) -> None:
+        """After a chunk's write to ``seg`` (pinned, released here): into
+        the index, or ``error`` pauses the writes."""
+        if error is None and not seg.dead:
+            seg.idx_bytes += RECORD.size
+            seg.fps.append(fp)
+            self._index[fp] = (seg, off, length)
+            self.stats["puts"] += 1
+        elif error is not None:
+            if seg is self._active:
+                self._seal_locked(seg)  # a failed write: a new segment after the pause
+            self._pause_locked("cannot write chunk %016x/%016x: %s" % (fp.major, fp.minor, error.strerror or error))
+        self._release_locked(seg)
 
     # ------------------------------------------------------------ accounting
     def volume(self) -> int:

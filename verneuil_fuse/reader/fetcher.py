@@ -27,16 +27,16 @@ Prefetches use the same flights, but wait for one of a smaller number of
 prefetch slots, so demand reads always find store capacity; a demand read
 that joins a prefetch still waiting for its slot promotes it at once.
 
-Two ways a flight runs. On a store with an HTTP engine (S3, `store/curl.py`)
-a GET costs the trio thread no task and no Event: `flights.EnginePath`
-queues flights for their slots, sends them to the engine many per
-submission, has them decoded, verified and written to the disk cache on the
-engine's thread, and hands their answers back in batches (one wake-up of
-trio for every answer that arrived meanwhile) to `engine_answered`; a read
-request waits for all its chunks on one Event (`_Waiter`). Anything else
-runs in a task (`_fly`): a chunk the disk cache may hold, a directory
-store's GETs in threads, hydration, and the retries of a GET that failed on
-the engine.
+Two ways a flight runs. On a store whose backend gives its chunks' URLs
+and signing (S3's `direct_gets`) a GET costs the trio thread no task and no
+Event: `flights.EnginePath` queues flights for their slots, starts them on
+the chunk engine in C (`chunk_engine.ChunkEngine`) many per submission,
+which decodes, verifies and writes them to the disk cache on its own
+thread, outside the GIL, and hands their answers back in batches (one
+wake-up of trio per batch) to `engine_answered`; a read request waits for
+all its chunks on one Event (`_Waiter`). Anything else runs in a task
+(`_fly`): a chunk the disk cache may hold, a directory store's GETs in
+threads, hydration, and the retries of a GET that failed on the engine.
 """
 from __future__ import annotations
 
@@ -70,12 +70,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# GETs in flight at once: on the store's HTTP engine (S3) a GET in flight
-# holds no thread, and 128 of them hide 20 ms of latency per request at
-# ~6,000 chunks/s, past what the mount's CPU serves: on the nginx rig a cold
-# scan ran at 195 MB/s and 0.255 ms of CPU per GET against 141 MB/s and
-# 0.30 ms with 64 (more answers per turn of the engine and per wake-up of
-# trio), and 192 or 256 gained nothing more (docs/BENCHMARKS.md). A
+# GETs in flight at once: on the chunk engine (S3) a GET in flight holds no
+# thread, and 128 of them hide 20 ms of latency per request at ~6,000
+# chunks/s, past what the mount's CPU serves: on the nginx rig a cold scan
+# ran at 195 MB/s and 0.255 ms of CPU per GET against 141 MB/s and 0.30 ms
+# with 64 (more answers per turn of the engine and per wake-up of trio),
+# and 192 or 256 gained nothing more (docs/BENCHMARKS.md). A
 # directory store's reads run in threads, as many: 128 measured the same
 # as 64 there.
 DEFAULT_CONCURRENCY = 128
@@ -256,9 +256,9 @@ class Fetcher:
         self._advising = False
         self._to_write: list[tuple[Fprint, bytes, CacheSlot | None]] = []  # for `_write_loop`
         self._writing = False
-        # Chunk GETs on the store's HTTP engine, many per call
-        # (`S3Backend.get_async_batch`), if it has one (`flights.EnginePath`).
-        self._engine = EnginePath(self, getattr(self.store.chunks, "get_async_batch", None), self.cache)
+        # Chunk GETs on the chunk engine, many per submission, where the
+        # backend gives their URLs (`flights.EnginePath`).
+        self._engine = EnginePath(self, self.store.chunks, self.io_limiter.total_tokens)
 
     def _init_health(self) -> None:
         # Chunks given up on: fingerprint -> (trio time, the error).
@@ -645,8 +645,8 @@ class Fetcher:
     # ---------------------------------------------------------------- flights
     def _start(self, fp: Fprint, prefetch: bool, hydrate: bool = False, slot: Any = _RESERVE) -> Flight:
         """Start the flight of one chunk; ``slot``: its place in the disk
-        cache, taken here unless given. A GET the store's HTTP engine can
-        make is queued for `EnginePath.pump` (the caller calls it once its flights
+        cache, taken here unless given. A GET the chunk engine can make is
+        queued for `EnginePath.pump` (the caller calls it once its flights
         are started); anything else runs in a task (`_fly`)."""
         if self._nursery is None:
             raise RuntimeError("Fetcher.bind(nursery) was not called")
@@ -686,8 +686,8 @@ class Fetcher:
             if first_error is None:
                 flight.data = await self._load(fp, flight, hydrate)
             else:
-                data, cached = await self._download(fp, flight, failed=1, last=first_error)
-                flight.data = self._landed(flight, data, hydrate, cached)
+                data = await self._download(fp, flight, failed=1, last=first_error)
+                flight.data = self._landed(flight, data, hydrate)
         except FetchError as e:
             self._fail(flight, e)
         except BaseException as e:  # noqa: BLE001 - reported to every waiter
@@ -737,13 +737,13 @@ class Fetcher:
                 if not flight.prefetch or flight.promoted:
                     self._hold(fp, data)
                 return data
-        data, cached = await self._download(fp, flight)
-        return self._landed(flight, data, hydrate, cached)
+        data = await self._download(fp, flight)
+        return self._landed(flight, data, hydrate)
 
-    def _landed(self, flight: Flight, data: bytes, hydrate: bool, cached: bool) -> bytes:
+    def _landed(self, flight: Flight, data: bytes, hydrate: bool, cached: bool = False) -> bytes:
         """Downloaded bytes: counted, kept in memory (those a read waits
         for held, see `HOLD_SECONDS`), written to the disk cache unless
-        ``cached`` (the engine's thread did)."""
+        ``cached`` (the chunk engine did)."""
         fp = flight.fp
         self.stats["store_fetches"] += 1
         if flight.prefetch and not flight.promoted:
@@ -793,25 +793,22 @@ class Fetcher:
             self._to_write = []
 
     async def _download(self, fp: Fprint, flight: Flight, *, failed: int = 0,
-                        last: BaseException | None = None) -> tuple[bytes, bool]:
+                        last: BaseException | None = None) -> bytes:
         """GET and verify one chunk: attempts of at most ``timeout`` seconds,
         with backoff, until one succeeds, ``retries`` retries are spent or
         ``deadline`` seconds have passed (queueing for a GET slot included);
         then FetchError. ``failed``: attempts already made on the engine path
-        (whose deadline started then), ``last`` the error of the last.
-        Returns the bytes and whether the disk cache write is taken care of
-        (the engine path writes them in the flight's slot itself)."""
+        (whose deadline started then), ``last`` the error of the last."""
         name = chunk_name(fp)
-        slot = flight.slot if self.cache is not None else None
         if not failed:
             flight.deadline = trio.current_time() + self.deadline
         attempts = failed
 
-        async def attempt() -> tuple[bytes, bool]:
+        async def attempt() -> bytes:
             nonlocal attempts, last
             attempts += 1
             try:
-                return await self._get_once(fp, name, slot, attempts)
+                return await self._get_once(fp, name, attempts)
             except _GET_FAILURES as e:
                 last = e
                 raise
@@ -831,9 +828,9 @@ class Fetcher:
                                 % (self.deadline, last or "none"))
         raise self._gave_up(name, attempts, last)
 
-    async def _get_once(self, fp: Fprint, name: str, slot: CacheSlot | None, attempt: int) -> tuple[bytes, bool]:
-        """One attempt of `_download`, counted: on the store's HTTP engine if
-        it has one (its request has ``timeout`` as its own bound), else in a
+    async def _get_once(self, fp: Fprint, name: str, attempt: int) -> bytes:
+        """One attempt of `_download`, counted: on the chunk engine if there
+        is an engine path (its request has ``timeout`` as its own bound), else in a
         worker thread abandoned after ``timeout``. Raises one of
         `_GET_FAILURES` (a timeout as TimeoutError)."""
         backend = self.store.chunks
@@ -845,8 +842,7 @@ class Fetcher:
                 await self.io_limiter.acquire()
             try:
                 self.stats["gets"] += 1
-                answer = await self._engine.get_one(backend, name, fp, slot)
-                cached = answer is not None
+                answer = await self._engine.get_one(fp)
                 if answer is None:
                     with trio.fail_after(self.timeout):
                         answer = await trio.to_thread.run_sync(_get_and_decode, backend, name, fp,
@@ -862,7 +858,7 @@ class Fetcher:
             self.stats["get_bytes"] += size
             log.debug("GET %s: %d bytes in %.3fs", name, size, time.monotonic() - start)
             self._store_answered()
-            return data, cached
+            return data
         self._count_get_error(name, error, attempt, time.monotonic() - start)
         raise error
 
@@ -889,7 +885,7 @@ class Fetcher:
         return FetchError(text if name in text else "chunk %s: %s" % (name, text))
 
     # --------------------------------------- the engine path's owner (`flights`)
-    def engine_answered(self, flight: Flight, result: bytes | BaseException, size: int) -> None:
+    def engine_answered(self, flight: Flight, result: bytes | BaseException, size: int, cached: bool) -> None:
         """`FlightOwner`, in trio: a GET of the engine path answered (its
         slots given back). Bytes finish the flight; an error worth a retry
         hands it to a task (`_fly`), any other (or the last) fails it."""
@@ -897,7 +893,7 @@ class Fetcher:
         if not isinstance(result, BaseException):
             self.stats["get_bytes"] += size
             self._store_answered()
-            flight.data = self._landed(flight, result, False, True)
+            flight.data = self._landed(flight, result, False, cached)
             self._finish(flight)
             return
         if not isinstance(result, _GET_FAILURES):  # a bug: reported to every waiter, as in a task

@@ -1,53 +1,58 @@
-"""Chunk flights, and the engine path that sends their GETs to the store's
-HTTP engine in batches.
+"""Chunk flights, and the engine path that sends their GETs to the reader's
+chunk path in C in batches.
 
 A `Flight` is one chunk's fetch, shared by every read of it: the fetcher
 (`fetcher.Fetcher`) keeps one per fingerprint under way (single-flight) and
 decides what its outcome means (bytes kept and handed to its readers, a
 retry in a task, a failure).
 
-`EnginePath` carries the flights whose GET goes to the store's HTTP engine
-(S3, `store/curl.py`) without a task or an Event per chunk:
+`EnginePath` carries the flights whose GET goes to the chunk engine
+(`chunk_engine.ChunkEngine`, on a store whose backend gives its URLs and
+signing: S3's `direct_gets`) without a task or an Event per chunk:
 
 - flights queue for a GET slot (demand first, then prefetches, in the order
-  they started, each also waiting for a prefetch slot), and `pump` sends all
-  those the slots let go now in one submission (`S3Backend.get_async_batch`);
-- on the engine's thread each answer is decoded, its full fingerprint
-  checked (`decode_chunk`), queued for trio, and the chunk written into its
-  place in the disk cache;
-- trio is woken once per turn of the engine's loop for every answer queued
-  meanwhile (`arrived`, `hand_over`), gives the flights' slots back, hands
-  each answer to the fetcher (`FlightOwner.engine_answered`) and pumps again;
+  they started, each also waiting for a prefetch slot), and `pump` starts
+  all those the slots let go now in one submission;
+- on the engine's thread, in C, each answer is decoded, its full
+  fingerprint checked, and the chunk written into its place in the disk
+  cache (the flight's `CacheSlot`);
+- trio wakes once per batch of answers (`_drain`), records the cache writes
+  (`CacheSlot.written`), gives the flights' slots back, hands each answer to
+  the fetcher (`FlightOwner.engine_answered`) and pumps again;
 - a demand flight still queued at its deadline (a store that holds every
   slot without answering) is handed back as expired (`queue_expired`);
-- an engine that takes no GET (its backend turned it off: a bucket in
-  another region, no credentials for it) turns the path off, and its
-  flights, the queued ones included, run in tasks (`run_in_task`).
+- a backend that gives no engine path (no credentials for it, a bucket
+  that answers from another region) turns the path off, and its flights,
+  the queued ones included, run in tasks (`run_in_task`).
 
-`get_one` is the same hand-off for one GET a task waits for (a retry).
+`get_one` is the same path for one GET a task waits for (a retry), without
+a cache write: the task's own writer stores the bytes.
 """
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 from collections import deque
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import trio
 
-from verneuil_fuse.format import MAX_CHUNK_BLOB_BYTES, Fprint, chunk_name, decode_chunk
+from verneuil_fuse.format import MAX_CHUNK_BLOB_BYTES, Fprint, chunk_mismatch, chunk_name
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache
+from verneuil_fuse.reader.chunk_engine import ChunkEngine, Outcome
 
 log = logging.getLogger(__name__)
 
 # The shortest time limit given to a GET sent with little of its deadline
 # left: enough for one round trip to a store far away.
 MIN_ATTEMPT_TIMEOUT = 0.5
+# Requests of the chunk engine past the fetcher's GET slots: a retry's GET
+# abandoned at its deadline keeps its request until the engine ends it (its
+# own time limit), and these keep the batches going meanwhile.
+SPARE_REQUESTS = 16
 
 # Where a flight is (`Flight.state`).
-QUEUED = "queued"  # waiting for a GET slot, to go to the store's HTTP engine (`EnginePath.pump`)
-ENGINE = "engine"  # its GET is on the engine; its answer comes back through `EnginePath`
+QUEUED = "queued"  # waiting for a GET slot, to go to the chunk engine (`EnginePath.pump`)
+ENGINE = "engine"  # its GET is on the chunk engine; its answer comes back through `EnginePath`
 TASK = "task"  # a trio task runs it (`Fetcher._fly`): disk cache, threads, retries, hydration
 DONE = "done"
 
@@ -77,7 +82,7 @@ class Flight:
 
 def store_chunk(cache: ChunkCache, fp: Fprint, data: bytes, slot: CacheSlot | None) -> None:
     """Write a verified chunk to the disk cache, in its slot if it has one
-    (blocking: a worker thread's or the HTTP engine's call). A cache that
+    (blocking: a worker thread's call). A cache that
     cannot be written is not fatal: logged, the slot given back."""
     try:
         if slot is not None:
@@ -100,9 +105,10 @@ class FlightOwner(Protocol):
     timeout: float  # one GET's time limit
     deadline: float  # a flight's, from its start (a prefetch's: from its slots)
 
-    def engine_answered(self, flight: Flight, result: bytes | BaseException, size: int) -> None:
+    def engine_answered(self, flight: Flight, result: bytes | BaseException, size: int, cached: bool) -> None:
         """In trio: the GET of ``flight`` answered (its slots are given
-        back): its verified bytes and the blob's size, or the error."""
+        back): its verified bytes and the blob's size, or the error;
+        ``cached``: the disk cache's write of the bytes is taken care of."""
 
     def queue_expired(self, flight: Flight) -> None:
         """In trio: a demand flight's deadline passed before a GET slot."""
@@ -112,32 +118,41 @@ class FlightOwner(Protocol):
         task."""
 
 
-class EnginePath:
-    """The flights queued for, or on, the store's HTTP engine (see the
-    module's docstring). ``get_batch``: the chunk backend's
-    `get_async_batch`, None for a store without an engine."""
+class _OneGet:
+    """`EnginePath.get_one`'s wait for its answer."""
 
-    def __init__(self, owner: FlightOwner, get_batch: Callable | None, cache: ChunkCache | None):
+    __slots__ = ("event", "outcome")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.outcome: Outcome | None = None
+
+
+class EnginePath:
+    """The flights queued for, or on, the chunk engine (see the module's
+    docstring). ``backend``: the chunks backend, whose `direct_gets` gives
+    the URLs and signing (none: no engine path); ``requests``: the engine's
+    GETs in flight at most (the fetcher's GET slots)."""
+
+    def __init__(self, owner: FlightOwner, backend: Any, requests: int):
         self._owner = owner
-        self.get_batch = get_batch  # None: no engine path (or turned off)
-        self._cache = cache
+        self._backend = backend if callable(getattr(backend, "direct_gets", None)) else None
+        self._off = self._backend is None  # no engine path (or turned off)
+        self._requests = requests + SPARE_REQUESTS
+        self._engine: ChunkEngine | None = None  # made at the first GET, ended with the nursery
         self.queued_demand: deque[Flight] = deque()
         self.queued_prefetch: deque[Flight] = deque()
         self._watching = False  # `_watch_queue` runs
-        self._arrivals: list = []  # engine answers (and Events) for `_set_arrived`
-        self._handing_over = False  # `_set_arrived` is due in trio
-        self._arrivals_lock = threading.Lock()
         self._nursery: trio.Nursery | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
 
     def bind(self, nursery: trio.Nursery) -> None:
-        """The deadline watch runs in ``nursery``; answers wake this trio run."""
+        """The engine's answers and the deadline watch are taken care of in
+        ``nursery``; its end stops the engine."""
         self._nursery = nursery
-        self._token = trio.lowlevel.current_trio_token()
 
     @property
     def available(self) -> bool:
-        return self.get_batch is not None
+        return not self._off
 
     def queue(self, flight: Flight) -> None:
         """Queue a flight for a GET slot (the caller calls `pump` once its
@@ -158,16 +173,20 @@ class EnginePath:
             self.queued_demand.append(flight)
 
     # -------------------------------------------------------------- sending
+    def _room(self) -> int:
+        """GETs the engine can start now."""
+        return self._engine.free if self._engine is not None else self._requests
+
     def pump(self) -> None:
-        """Send the queued flights that a GET slot (and a prefetch slot, for
-        a prefetch) lets go now to the store's HTTP engine, all in one
-        submission: demand first, then prefetches in the order they
-        started. No task, no Event per chunk: the answers come back in
-        batches (`_set_arrived`)."""
+        """Start the queued flights that a GET slot (and a prefetch slot, for
+        a prefetch) lets go now on the chunk engine, all in one submission:
+        demand first, then prefetches in the order they started. No task,
+        no Event per chunk: the answers come back in batches (`_drain`)."""
         io = self._owner.io_limiter
         batch: list[Flight] = []
+        room = self._room()
         demand = self.queued_demand
-        while demand:
+        while demand and len(batch) < room:
             flight = demand[0]
             if flight.state is not QUEUED:
                 demand.popleft()  # promoted, and sent from the prefetch queue meanwhile; or expired
@@ -180,7 +199,7 @@ class EnginePath:
             flight.state = ENGINE  # not sent again from the prefetch queue
             batch.append(flight)
         else:
-            self._pump_prefetches(batch)
+            self._pump_prefetches(batch, room)
         if batch:
             self._submit(batch)
         if demand and not self._watching:
@@ -188,12 +207,12 @@ class EnginePath:
             assert self._nursery is not None
             self._nursery.start_soon(self._watch_queue)
 
-    def _pump_prefetches(self, batch: list[Flight]) -> None:
+    def _pump_prefetches(self, batch: list[Flight], room: int) -> None:
         owner = self._owner
         io, slots = owner.io_limiter, owner.prefetch_slots
         queue = self.queued_prefetch
         now = trio.current_time()
-        while queue:
+        while queue and len(batch) < room:
             flight = queue[0]
             if flight.state is not QUEUED:
                 queue.popleft()
@@ -216,30 +235,55 @@ class EnginePath:
                 flight.deadline = now + owner.deadline  # a prefetch's deadline starts with its slot
             batch.append(flight)
 
+    def _ready(self) -> tuple[ChunkEngine, Any] | None:
+        """The engine, set up to send the backend's GETs as they are to be
+        sent now, and the backend's `direct_gets`; None: no engine path
+        (turned off here)."""
+        gets = None if self._off else self._backend.direct_gets()
+        if gets is not None and self._engine is None:
+            try:
+                self._engine = ChunkEngine(self._requests, MAX_CHUNK_BLOB_BYTES)
+            except OSError as e:
+                log.warning("no chunk engine (%s): chunk GETs run in threads", e)
+                gets = None
+            else:
+                assert self._nursery is not None
+                self._nursery.start_soon(self._drain, self._engine)
+        if gets is None:
+            self._turn_off()
+            return None
+        assert self._engine is not None
+        self._engine.set_auth(gets.headers, gets.sigv4, gets.connect_timeout, gets.idle_timeout)
+        return self._engine, gets
+
     def _submit(self, batch: list[Flight]) -> None:
         """One engine submission for the flights of ``batch`` (each holds a
-        GET slot); an engine that cannot take them turns the engine path off
-        and the flights go to tasks, those still queued too."""
+        GET slot); without an engine path the flights go to tasks, those
+        still queued too."""
         owner = self._owner
+        ready = self._ready()
+        if ready is None:
+            for flight in batch:
+                self._release_slots(flight)
+                owner.run_in_task(flight)
+            return
+        engine, gets = ready
         now = trio.current_time()
         timeout = owner.timeout
-        answer = self._answer
-        items = [(chunk_name(f.fp), min(timeout, max(f.deadline - now, MIN_ATTEMPT_TIMEOUT)),
-                  functools.partial(answer, f, f.slot)) for f in batch]
-        assert self.get_batch is not None
-        if self.get_batch(items, MAX_CHUNK_BLOB_BYTES, self.hand_over):
-            owner.stats["gets"] += len(batch)
-            return
-        log.debug("no engine path for chunk GETs: they run in threads")
-        self.get_batch = None
-        for flight in batch:
-            self._release_slots(flight)
-            owner.run_in_task(flight)
+        engine.start((f, gets.url(chunk_name(f.fp)), f.fp, f.slot.target(f.fp) if f.slot is not None else None,
+                      min(timeout, max(f.deadline - now, MIN_ATTEMPT_TIMEOUT))) for f in batch)
+        owner.stats["gets"] += len(batch)
+
+    def _turn_off(self) -> None:
+        """No engine path from now on: the queued flights run in tasks."""
+        if not self._off:
+            log.debug("no engine path for chunk GETs: they run in threads")
+        self._off = True
         for queue in (self.queued_demand, self.queued_prefetch):
             while queue:
                 flight = queue.popleft()
                 if flight.state is QUEUED:  # not twice: a promoted prefetch is in both queues
-                    owner.run_in_task(flight)
+                    self._owner.run_in_task(flight)
 
     def _release_slots(self, flight: Flight) -> None:
         self._owner.io_limiter.release_on_behalf_of(flight)
@@ -269,99 +313,72 @@ class EnginePath:
             self._watching = False
 
     # ------------------------------------------------------------ answers
-    def _answer(self, flight: Flight, slot: CacheSlot | None, answer: bytes | BaseException) -> None:
-        """On the engine's thread: decode and verify the answer, queue it for
-        trio (`hand_over` wakes trio once the engine's turn is over, for
-        every answer of that turn), then write the chunk into its place in
-        the disk cache (``slot``, read before the hand-off: trio owns the
-        flight once it has the answer)."""
-        size = 0
-        result: bytes | BaseException = answer
-        if not isinstance(answer, BaseException):
-            size = len(answer)
-            try:
-                result = decode_chunk(answer, flight.fp)
-            except BaseException as e:  # noqa: BLE001 - handed to trio
-                result = e
-        self.arrived((flight, result, size), wake=False)  # `hand_over` wakes trio
-        if self._cache is not None and not isinstance(result, BaseException):
-            store_chunk(self._cache, flight.fp, result, slot)
-
-    def _answered(self, flight: Flight, result: bytes | BaseException, size: int) -> None:
-        """In trio: an answer of the engine path, to the flight's owner."""
-        self._release_slots(flight)
-        self._owner.engine_answered(flight, result, size)
-
-    async def get_one(self, backend: Any, name: str, fp: Fprint,
-                      slot: CacheSlot | None) -> tuple[int, bytes] | None:
-        """GET and verify one chunk on the store's HTTP engine, if it has one
-        (`S3Backend.get_async`): no thread per request; the answer is
-        decoded and verified on the engine's thread, which then wakes this
-        task and, after that, writes the chunk to the disk cache in `slot`
-        (its place, `ChunkCache.reserve`). None: no engine path, use a
-        thread."""
-        get_async = getattr(backend, "get_async", None)
-        if get_async is None:
-            return None
-        box: list = []
-        ready = trio.Event()
-        cache = self._cache
-
-        def done(answer) -> None:  # on the engine's thread
-            try:
-                if isinstance(answer, BaseException):
-                    box.append(answer)
-                else:
-                    box.append((len(answer), decode_chunk(answer, fp)))
-            except BaseException as e:  # noqa: BLE001 - handed to the task
-                box.append(e)
-            self.arrived(ready)
-            if cache is not None and isinstance(box[0], tuple):
-                store_chunk(cache, fp, box[0][1], slot)
-
-        if not get_async(name, MAX_CHUNK_BLOB_BYTES, done, timeout=self._owner.timeout):
-            return None
-        await ready.wait()
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        return box[0]
-
-    def arrived(self, item: trio.Event | tuple, wake: bool = True) -> None:
-        """From the engine's thread: hand ``item`` (an Event to set, or an
-        answer of the engine path) to trio. Items that arrive while trio has
-        not yet run the last hand-off join it, so a busy engine wakes trio
-        once per batch, not once per chunk; without ``wake``, `hand_over`
-        wakes trio later."""
-        with self._arrivals_lock:
-            self._arrivals.append(item)
-            if not wake or self._handing_over:
-                return
-            self._handing_over = True
-        self._wake_trio()
-
-    def hand_over(self) -> None:
-        """From the engine's thread, at the end of a turn of its loop: wake
-        trio for the answers queued by `arrived` meanwhile."""
-        with self._arrivals_lock:
-            if not self._arrivals or self._handing_over:
-                return
-            self._handing_over = True
-        self._wake_trio()
-
-    def _wake_trio(self) -> None:
-        assert self._token is not None
+    async def _drain(self, engine: ChunkEngine) -> None:
+        """The engine's answers, a batch per wake-up, to their flights (and
+        `get_one`'s waits), until the nursery ends; then the engine stops,
+        and the cache slots of GETs it did not end are given back."""
         try:
-            self._token.run_sync_soon(self._set_arrived)
-        except trio.RunFinishedError:
-            pass  # the mount is gone: nobody waits
+            while True:
+                for token, outcome in await engine.answers():
+                    if isinstance(token, Flight):
+                        self._answered(token, outcome)
+                    else:
+                        token.outcome = outcome
+                        token.event.set()
+                self.pump()
+        finally:
+            if self._engine is engine:
+                self._engine = None
+            engine.close()
+            for token in engine.in_flight():
+                if isinstance(token, Flight) and token.slot is not None:
+                    token.slot.abandon()
+                    token.slot = None
 
-    def _set_arrived(self) -> None:
-        with self._arrivals_lock:
-            arrivals, self._arrivals = self._arrivals, []
-            self._handing_over = False
-        for item in arrivals:
-            if isinstance(item, tuple):
-                self._answered(*item)
-            else:
-                item.set()
-        self.pump()
+    def _answered(self, flight: Flight, outcome: Outcome) -> None:
+        """In trio: an answer of the engine path, to the flight's owner (a
+        bucket in another region: the path off, the flight in a task)."""
+        self._release_slots(flight)
+        result = self._result(flight.fp, outcome)
+        if result is None:
+            self._owner.run_in_task(flight)
+            return
+        cached = False
+        if outcome.data is not None and flight.slot is not None:
+            cached = flight.slot.written(flight.fp, len(outcome.data), outcome.written, outcome.write_errno)
+        self._owner.engine_answered(flight, result, outcome.size, cached)
+
+    def _result(self, fp: Fprint, outcome: Outcome) -> bytes | BaseException | None:
+        """The chunk's bytes, or the error the outcome means; None: the
+        backend turned the engine path off (`direct_get_error`)."""
+        if outcome.data is not None:
+            return outcome.data
+        if outcome.mismatch:
+            return chunk_mismatch(fp)
+        assert outcome.failure is not None
+        error = self._backend.direct_get_error(chunk_name(fp), outcome.failure, MAX_CHUNK_BLOB_BYTES)
+        if error is None:
+            self._turn_off()
+        return error
+
+    async def get_one(self, fp: Fprint) -> tuple[int, bytes] | None:
+        """GET and verify one chunk on the chunk engine, if there is an
+        engine path: no thread per request. Its bytes and the blob's size;
+        None: no engine path, use a thread. A cancelled wait drops the
+        answer (there is no cache write to give back)."""
+        if self._off or self._room() == 0:
+            return None
+        ready = self._ready()
+        if ready is None:
+            return None
+        engine, gets = ready
+        wait = _OneGet()
+        engine.start([(wait, gets.url(chunk_name(fp)), fp, None, self._owner.timeout)])
+        await wait.event.wait()
+        assert wait.outcome is not None
+        result = self._result(fp, wait.outcome)
+        if result is None:
+            return None
+        if isinstance(result, BaseException):
+            raise result
+        return wait.outcome.size, result

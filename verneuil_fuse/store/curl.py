@@ -1,11 +1,13 @@
 """Many HTTP requests in flight on one thread: libcurl's multi interface.
 
-`CurlEngine` is the store's cheap path for the hot requests of immutable,
-content-addressed objects (chunk GETs): a request costs about 0.05 ms of CPU
-here against about 1.8 ms for one boto3 call, and a hundred of them in
-flight cost no thread each.  It knows nothing of S3: `s3.S3Backend` builds
-and signs each request (botocore's own SigV4 signer and credentials) and
-turns the answer into its result or `StoreError`.
+`CurlEngine` is the store's cheap path for object GETs and PUTs (the
+copier's chunk uploads, manifests) and listing pages: a request costs about
+0.05 ms of CPU here against about 1.8 ms for one boto3 call, and a hundred
+of them in flight cost no thread each.  It knows nothing of S3:
+`s3.S3Backend` builds each request (URL, headers, libcurl's SigV4 with
+the credentials botocore's chain gives) and turns the answer into its
+result or `StoreError`.  (The reader's chunk GETs have an engine in C of
+their own, reader/chunk_engine.py.)
 
 One daemon thread, started at the first request, runs the multi loop:
 requests queued by `submit` (any thread) join it; a pipe wakes it at once;
@@ -62,6 +64,15 @@ class BodyTooLarge(OSError):
         self.size = size
 
 
+def transport_error(code: int, message: str) -> OSError:
+    """The OSError of a transfer libcurl ended with CURLcode ``code``."""
+    if code == pycurl.E_OPERATION_TIMEDOUT:
+        return OSError(errno.ETIMEDOUT, message)
+    if code == pycurl.E_COULDNT_CONNECT:
+        return OSError(errno.ECONNREFUSED, message)
+    return OSError(errno.EIO, "%s (curl error %d)" % (message, code))
+
+
 @dataclass
 class Request:
     method: str
@@ -86,7 +97,6 @@ class Response:
 class _Transfer:
     request: Request
     done: Callable[[Response | OSError], None]
-    flush: Callable[[], None] | None = None  # `submit_many`
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
     too_large: bool = False
@@ -120,7 +130,6 @@ class CurlEngine:
         self._multi.setopt(pycurl.M_MAXCONNECTS, max_in_flight + CONNECTION_CACHE_SLACK)
         self._free: list[pycurl.Curl] = []
         self._handles: dict[pycurl.Curl, _Handle] = {}
-        self._flushes: set[Callable[[], None]] = set()  # `flush` callbacks owed at the end of this round
         self._active: dict[pycurl.Curl, _Transfer] = {}
         self._next_idle_check = 0.0
         self._sleeping = False  # in `_wait`'s poll: a submit must wake it
@@ -140,14 +149,10 @@ class CurlEngine:
         """Queue `request`; `done` gets its answer on the engine's thread."""
         self.submit_many([(request, done)])
 
-    def submit_many(self, batch: list[tuple[Request, Callable[[Response | OSError], None]]],
-                    flush: Callable[[], None] | None = None) -> None:
+    def submit_many(self, batch: list[tuple[Request, Callable[[Response | OSError], None]]]) -> None:
         """Queue several requests at once (one lock round and at most one
-        wake-up for all); each `done` gets its answer on the engine's thread.
-        `flush`, if given, is called on that thread once the answers given
-        in one turn of the loop are all given, if any was one of these: a
-        caller that hands answers on in batches hands them on then."""
-        transfers = [_Transfer(request, done, flush) for request, done in batch]
+        wake-up for all); each `done` gets its answer on the engine's thread."""
+        transfers = [_Transfer(request, done) for request, done in batch]
         with self._lock:
             if self._closed:
                 raise OSError(errno.ESHUTDOWN, "the HTTP engine is closed")
@@ -195,20 +200,10 @@ class CurlEngine:
                 self._act(self._wait())
                 self._finish_done()
                 self._expire_idle()
-                self._flush()
         except Exception:  # noqa: BLE001 - a bug here must not hang every caller
             log.exception("HTTP engine failed")
         finally:
             self._abort_all()
-
-    def _flush(self) -> None:
-        """Call the `flush` callbacks of the transfers answered this turn."""
-        while self._flushes:
-            flush = self._flushes.pop()
-            try:
-                flush()
-            except Exception:  # noqa: BLE001 - one caller's bug stays its own
-                log.exception("HTTP engine: flush callback failed")
 
     def _expire_idle(self) -> None:
         """End the transfers silent for their `idle_timeout` (checked every
@@ -410,14 +405,9 @@ class CurlEngine:
             for curl, code, message in failed:
                 t = self._release(curl)
                 if t.too_large:
-                    error = BodyTooLarge(t.request.max_bytes or 0, t.declared)
-                elif code == pycurl.E_OPERATION_TIMEDOUT:
-                    error = OSError(errno.ETIMEDOUT, message)
-                elif code == pycurl.E_COULDNT_CONNECT:
-                    error = OSError(errno.ECONNREFUSED, message)
+                    self._call(t, BodyTooLarge(t.request.max_bytes or 0, t.declared))
                 else:
-                    error = OSError(errno.EIO, "%s (curl error %d)" % (message, code))
-                self._call(t, error)
+                    self._call(t, transport_error(code, message))
             if not queued:
                 return
 
@@ -433,8 +423,6 @@ class CurlEngine:
         return t
 
     def _call(self, t: _Transfer, result: Response | OSError) -> None:
-        if t.flush is not None:
-            self._flushes.add(t.flush)
         try:
             t.done(result)
         except Exception:  # noqa: BLE001 - one caller's bug stays its own
@@ -450,7 +438,6 @@ class CurlEngine:
             self._closed = True
         for t in queued:
             self._call(t, OSError(errno.ESHUTDOWN, "the HTTP engine is closed"))
-        self._flush()
         for curl in self._free:
             curl.close()
         self._free.clear()

@@ -8,8 +8,9 @@ owns:
   call's CPU), with the URL botocore builds for the bucket (addressing style,
   endpoint, region), the credentials botocore's chain gives the client at
   each request, and libcurl's own SigV4 signing (in C: Python signing cost
-  more than the rest of the request); `get_async` hands the answer to a
-  callback without a thread per request;
+  more than the rest of the request); `direct_gets` gives the same URLs and
+  signing to the reader's chunk engine (reader/chunk_engine.py), which GETs
+  chunks in C without a thread or a Python call per request;
 - the cheap path for listings: ListObjectsV2 pages through the same engine,
   URL and signing, read by `listing.parse_list_page` (about a tenth of
   botocore's CPU per key), with boto3 serving any page the engine cannot
@@ -31,10 +32,12 @@ root of the chunk and manifest buckets) and strips it from listings.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
 import urllib.parse
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import boto3
@@ -204,6 +207,18 @@ ENGINE_RETRY_CAP = 20.0
 
 class _Redirected:
     """An engine answer that boto3 must serve instead."""
+
+
+@dataclass(frozen=True)
+class DirectGets:
+    """`S3Backend.direct_gets`: an object's URL (``url(key)``) and what
+    every GET of it is sent with."""
+
+    url: Callable[[str], str]
+    headers: list[str]
+    sigv4: tuple[str, str, str] | None  # libcurl's AWS_SIGV4 spec, access key, secret
+    connect_timeout: float
+    idle_timeout: float  # no byte for this long ends a GET
 
 
 def safe_endpoint(endpoint: str | None) -> str | None:
@@ -562,16 +577,42 @@ class S3Backend:
     def _engine_build(self, auth: tuple[str, list[str], tuple[str, str, str] | None], method: str, key: str,
                       body: bytes | None, max_bytes: int | None, timeout: float | None) -> Request:
         prefix, headers, sigv4 = auth
-        full = self._full(key)
-        url = prefix + (full.replace("%", "%25") if _PLAIN_KEY.match(full)
-                        else urllib.parse.quote(full, safe="/~"))
         size = len(body) if body is not None else max_bytes or 0
         if timeout is None:
             timeout = ENGINE_LARGE_REQUEST_TIMEOUT if size > ENGINE_LARGE_BODY else ENGINE_REQUEST_TIMEOUT
         config = self.client.meta.config
-        return Request(method, url, headers, body=body, max_bytes=max_bytes, sigv4=sigv4,
+        return Request(method, self._engine_url(prefix, key), headers, body=body, max_bytes=max_bytes, sigv4=sigv4,
                        connect_timeout=config.connect_timeout or CONNECT_TIMEOUT,
                        idle_timeout=config.read_timeout or READ_TIMEOUT, timeout=timeout)
+
+    def _engine_url(self, prefix: str, key: str) -> str:
+        full = self._full(key)
+        return prefix + (full.replace("%", "%25") if _PLAIN_KEY.match(full)
+                         else urllib.parse.quote(full, safe="/~"))
+
+    def direct_gets(self) -> DirectGets | None:
+        """What a GET engine of the caller's (the reader's chunk path in C,
+        reader/chunk_engine.py) needs to GET this backend's objects now: their
+        URLs, the headers, libcurl's SigV4 spec with the credentials
+        botocore's chain gives the client at this moment, the time limits;
+        None: no engine path (then `get`, in a thread)."""
+        auth = self._engine_auth()
+        if auth is None:
+            return None
+        prefix, headers, sigv4 = auth
+        config = self.client.meta.config
+        return DirectGets(functools.partial(self._engine_url, prefix), headers, sigv4,
+                          config.connect_timeout or CONNECT_TIMEOUT, config.read_timeout or READ_TIMEOUT)
+
+    def direct_get_error(self, key: str, failure: Response | OSError, max_bytes: int) -> StoreError | None:
+        """The StoreError a failed GET of a `direct_gets` engine means (a
+        non-2xx answer, or no answer); None: the bucket answers from another
+        region, the engine path is off from now on (`get` serves it)."""
+        answer = self._engine_answer("get", key, failure, max_bytes)
+        if isinstance(answer, _Redirected):
+            return None
+        assert isinstance(answer, StoreError), "a 2xx answer is not a failure"
+        return answer
 
     def _engine_answer(self, op: str, key: str, result: Response | OSError,
                        max_bytes: int | None) -> bytes | StoreError:
@@ -592,49 +633,6 @@ class S3Backend:
             self._engine_off("the bucket answers from another region (%s)" % (code or result.status))
             return _Redirected()
         return self._answer_error(op, key, code, result.status, message)
-
-    def get_async(self, key: str, max_bytes: int | None, done: Callable[[bytes | StoreError], None],
-                  timeout: float | None = None) -> bool:
-        """Start a GET of `key` on the engine; `done` gets the body or a
-        StoreError on the engine's thread (keep it short).  False, and
-        nothing started, when the engine path is not available (then call
-        `get` in a thread)."""
-        return self.get_async_batch([(key, timeout, done)], max_bytes)
-
-    def get_async_batch(self, items: list[tuple[str, float | None, Callable[[bytes | StoreError], None]]],
-                        max_bytes: int | None, flush: Callable[[], None] | None = None) -> bool:
-        """`get_async` for several keys, each ``(key, timeout, done)``: one
-        credentials look-up and one engine submission for all; ``flush``
-        (`CurlEngine.submit_many`) is called on the engine's thread after
-        each turn that gave some of their answers.  False, and nothing
-        started, when the engine path is not available."""
-        check_max_bytes(max_bytes)
-        auth = self._engine_auth()
-        if auth is None:
-            return False
-        batch = [(self._engine_build(auth, "GET", key, None, max_bytes, timeout), self._get_finisher(key, max_bytes, done))
-                 for key, timeout, done in items]
-        try:
-            self._engine.submit_many(batch, flush)
-        except OSError:
-            return False
-        return True
-
-    def _get_finisher(self, key: str, max_bytes: int | None,
-                      done: Callable[[bytes | StoreError], None]) -> Callable[[Response | OSError], None]:
-        """The engine's completion of a GET of `key`: its body or StoreError
-        to `done` (a bucket in another region: boto3 instead, here)."""
-
-        def finish(result: Response | OSError) -> None:
-            answer = self._engine_answer("get", key, result, max_bytes)
-            if isinstance(answer, _Redirected):
-                try:
-                    answer = self._get_boto3(key, max_bytes)
-                except StoreError as error:
-                    answer = error
-            done(answer)
-
-        return finish
 
     def _engine_sync(self, op: str, method: str, key: str, body: bytes | None,
                      max_bytes: int | None) -> bytes | None:
