@@ -16,6 +16,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <curl/curl.h>
@@ -27,10 +30,12 @@ static_assert(CURL_ERROR_SIZE <= VN_CE_ERROR_MAX, "libcurl's messages fit");
 
 /*
  * The loop's longest sleep: libcurl's own timers (request timeouts) and a
- * submission or close (curl_multi_wakeup) wake it sooner; a second is only
- * the bound of a lost wake-up.
+ * submission or close (the engine's eventfd) wake it sooner; a second is
+ * only the bound of a lost wake-up.
  */
 #define POLL_MS 1000
+/* Sockets handed to libcurl per turn at most: a turn's worth of answers. */
+#define MAX_EVENTS 64
 /* libcurl's receive buffer: a chunk's zstd frame in one write callback. */
 #define RECEIVE_BUFFER (128L << 10)
 /* The cache's index record: fp major, minor, offset, length, check. */
@@ -66,6 +71,15 @@ struct vn_ce_engine {
 	struct vn_umash_params params;
 	ZSTD_DCtx *dctx;
 	CURLM *multi;
+	/*
+	 * libcurl's socket interface: it says which sockets to watch for what
+	 * (`on_socket`, into `epoll_fd`) and when its next timeout is
+	 * (`on_timer`); a turn hands it only the sockets found ready, so it
+	 * costs the transfers that moved, not every transfer in flight.
+	 */
+	int epoll_fd;
+	int wake_fd;         /* eventfd in epoll_fd: a submission, or close */
+	int64_t timer_at_ms; /* libcurl's next timeout (CLOCK_MONOTONIC), -1: none */
 	int notify_fd;
 	pthread_t thread;
 	int started;
@@ -427,6 +441,87 @@ static void abort_all(struct vn_ce_engine *e, const char *active, int *ended)
 	hand_back(e, ended, nended);
 }
 
+static int64_t now_ms(void)
+{
+	struct timespec t;
+
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* libcurl's CURLMOPT_SOCKETFUNCTION: watch `sock` for what it says. */
+static int on_socket(CURL *easy, curl_socket_t sock, int what, void *arg, void *sockp)
+{
+	struct vn_ce_engine *e = arg;
+	struct epoll_event ev = { 0 };
+
+	(void)easy;
+	if (what == CURL_POLL_REMOVE) {
+		epoll_ctl(e->epoll_fd, EPOLL_CTL_DEL, sock, NULL); /* ENOENT: closed already */
+		return 0;
+	}
+	ev.events = ((what & CURL_POLL_IN) ? EPOLLIN : 0) | ((what & CURL_POLL_OUT) ? EPOLLOUT : 0);
+	ev.data.fd = sock;
+	/* A socket number may come back for a new socket: add or modify. */
+	if (epoll_ctl(e->epoll_fd, sockp == NULL ? EPOLL_CTL_ADD : EPOLL_CTL_MOD, sock, &ev) != 0)
+		epoll_ctl(e->epoll_fd, sockp == NULL ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, sock, &ev);
+	curl_multi_assign(e->multi, sock, e);
+	return 0;
+}
+
+/* libcurl's CURLMOPT_TIMERFUNCTION: its next timeout, -1 for none. */
+static int on_timer(CURLM *multi, long timeout_ms, void *arg)
+{
+	struct vn_ce_engine *e = arg;
+
+	(void)multi;
+	e->timer_at_ms = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+	return 0;
+}
+
+/* Wait for ready sockets, libcurl's timeout or a wake-up; act on them. */
+static void wait_and_act(struct vn_ce_engine *e)
+{
+	struct epoll_event events[MAX_EVENTS];
+	int64_t wait = POLL_MS;
+	int n, running;
+
+	if (e->timer_at_ms >= 0) {
+		wait = e->timer_at_ms - now_ms();
+		wait = wait < 0 ? 0 : wait > POLL_MS ? POLL_MS : wait;
+	}
+	n = epoll_wait(e->epoll_fd, events, MAX_EVENTS, (int)wait);
+	for (int i = 0; i < n; i++) {
+		int fd = events[i].data.fd, flags = 0;
+
+		if (fd == e->wake_fd) {
+			uint64_t count;
+
+			if (read(e->wake_fd, &count, sizeof(count)) < 0) {
+				/* EAGAIN: another turn read it */
+			}
+			continue;
+		}
+		flags |= (events[i].events & EPOLLIN) ? CURL_CSELECT_IN : 0;
+		flags |= (events[i].events & EPOLLOUT) ? CURL_CSELECT_OUT : 0;
+		flags |= (events[i].events & (EPOLLERR | EPOLLHUP)) ? CURL_CSELECT_ERR : 0;
+		curl_multi_socket_action(e->multi, fd, flags, &running);
+	}
+	if (e->timer_at_ms >= 0 && now_ms() >= e->timer_at_ms) {
+		e->timer_at_ms = -1;
+		curl_multi_socket_action(e->multi, CURL_SOCKET_TIMEOUT, 0, &running);
+	}
+}
+
+static void wake(struct vn_ce_engine *e)
+{
+	uint64_t one = 1;
+
+	if (write(e->wake_fd, &one, sizeof(one)) < 0) {
+		/* EAGAIN: the counter is full, the loop wakes anyway */
+	}
+}
+
 /* The engine's thread: a turn starts, moves and finishes transfers. */
 static void *run(void *arg)
 {
@@ -434,7 +529,6 @@ static void *run(void *arg)
 	int *started = malloc((size_t)e->nslots * sizeof(int));
 	int *ended = malloc((size_t)e->nslots * sizeof(int));
 	char *active = calloc((size_t)e->nslots, 1);
-	int running;
 
 	if (started == NULL || ended == NULL || active == NULL) {
 		pthread_mutex_lock(&e->lock);
@@ -449,10 +543,10 @@ static void *run(void *arg)
 			break;
 		nended = start_requests(e, started, nstarted, a, active, ended);
 		auth_release(e, a);
-		curl_multi_perform(e->multi, &running);
+		if (nended == 0)
+			wait_and_act(e);
 		nended = collect_ended(e, active, ended, nended);
 		hand_back(e, ended, nended);
-		curl_multi_poll(e->multi, NULL, 0, POLL_MS, NULL);
 	}
 	if (active != NULL && ended != NULL)
 		abort_all(e, active, ended);
@@ -463,6 +557,53 @@ static void *run(void *arg)
 }
 
 /* ----------------------------------------------------------- the caller */
+
+/* The multi handle's socket interface, and the eventfd that wakes its loop. */
+static int init_loop(struct vn_ce_engine *e)
+{
+	struct epoll_event ev = { .events = EPOLLIN };
+	int rc = CURLM_OK;
+
+	e->timer_at_ms = -1;
+	e->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+	e->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	ev.data.fd = e->wake_fd;
+	if (e->epoll_fd < 0 || e->wake_fd < 0 || epoll_ctl(e->epoll_fd, EPOLL_CTL_ADD, e->wake_fd, &ev) != 0)
+		return -1;
+	rc |= curl_multi_setopt(e->multi, CURLMOPT_SOCKETFUNCTION, on_socket);
+	rc |= curl_multi_setopt(e->multi, CURLMOPT_SOCKETDATA, e);
+	rc |= curl_multi_setopt(e->multi, CURLMOPT_TIMERFUNCTION, on_timer);
+	rc |= curl_multi_setopt(e->multi, CURLMOPT_TIMERDATA, e);
+	/* Idle connections kept: one per request that may be in flight. */
+	rc |= curl_multi_setopt(e->multi, CURLMOPT_MAXCONNECTS, (long)e->nslots);
+	return rc == CURLM_OK ? 0 : -1;
+}
+
+/* Request `i`'s buffers and easy handle, set up for what never changes. */
+static int init_slot(struct vn_ce_engine *e, int i)
+{
+	struct slot *s = &e->slots[i];
+	struct vn_ce_request *r = &e->reqs[i];
+	int rc = CURLE_OK;
+
+	r->data_fd = r->idx_fd = -1;
+	r->body = malloc(e->max_body);
+	r->chunk = malloc(VN_CE_CHUNK_SIZE);
+	s->engine = e;
+	s->req = r;
+	s->easy = curl_easy_init();
+	if (r->body == NULL || r->chunk == NULL || s->easy == NULL)
+		return -1;
+	rc |= curl_easy_setopt(s->easy, CURLOPT_PRIVATE, (char *)s);
+	rc |= curl_easy_setopt(s->easy, CURLOPT_WRITEFUNCTION, on_body);
+	rc |= curl_easy_setopt(s->easy, CURLOPT_WRITEDATA, s);
+	rc |= curl_easy_setopt(s->easy, CURLOPT_ERRORBUFFER, r->error);
+	rc |= curl_easy_setopt(s->easy, CURLOPT_NOSIGNAL, 1L);
+	rc |= curl_easy_setopt(s->easy, CURLOPT_TCP_NODELAY, 1L);
+	rc |= curl_easy_setopt(s->easy, CURLOPT_BUFFERSIZE, RECEIVE_BUFFER);
+	/* No Accept-Encoding: the bytes as stored, never re-encoded. */
+	return rc == CURLE_OK ? 0 : -1;
+}
 
 int vn_ce_open(int nslots, size_t max_body, const void *chunk_key, int notify_fd,
     struct vn_ce_engine **out)
@@ -482,6 +623,7 @@ int vn_ce_open(int nslots, size_t max_body, const void *chunk_key, int notify_fd
 	e->nslots = nslots;
 	e->max_body = max_body;
 	e->notify_fd = notify_fd;
+	e->epoll_fd = e->wake_fd = -1;
 	pthread_mutex_init(&e->lock, NULL);
 	vn_umash_params_derive(&e->params, 0, chunk_key);
 	e->reqs = calloc((size_t)nslots, sizeof(*e->reqs));
@@ -491,34 +633,11 @@ int vn_ce_open(int nslots, size_t max_body, const void *chunk_key, int notify_fd
 	e->dctx = ZSTD_createDCtx();
 	e->multi = curl_multi_init();
 	if (e->reqs == NULL || e->slots == NULL || e->queue == NULL || e->done == NULL ||
-	    e->dctx == NULL || e->multi == NULL)
+	    e->dctx == NULL || e->multi == NULL || init_loop(e) != 0)
 		goto nomem;
-	/* Idle connections kept: one per request that may be in flight. */
-	curl_multi_setopt(e->multi, CURLMOPT_MAXCONNECTS, (long)nslots);
-	for (int i = 0; i < nslots; i++) {
-		struct slot *s = &e->slots[i];
-		struct vn_ce_request *r = &e->reqs[i];
-		int rc = CURLE_OK;
-
-		r->data_fd = r->idx_fd = -1;
-		r->body = malloc(max_body);
-		r->chunk = malloc(VN_CE_CHUNK_SIZE);
-		s->engine = e;
-		s->req = r;
-		s->easy = curl_easy_init();
-		if (r->body == NULL || r->chunk == NULL || s->easy == NULL)
+	for (int i = 0; i < nslots; i++)
+		if (init_slot(e, i) != 0)
 			goto nomem;
-		rc |= curl_easy_setopt(s->easy, CURLOPT_PRIVATE, (char *)s);
-		rc |= curl_easy_setopt(s->easy, CURLOPT_WRITEFUNCTION, on_body);
-		rc |= curl_easy_setopt(s->easy, CURLOPT_WRITEDATA, s);
-		rc |= curl_easy_setopt(s->easy, CURLOPT_ERRORBUFFER, r->error);
-		rc |= curl_easy_setopt(s->easy, CURLOPT_NOSIGNAL, 1L);
-		rc |= curl_easy_setopt(s->easy, CURLOPT_TCP_NODELAY, 1L);
-		rc |= curl_easy_setopt(s->easy, CURLOPT_BUFFERSIZE, RECEIVE_BUFFER);
-		/* No Accept-Encoding: the bytes as stored, never re-encoded. */
-		if (rc != CURLE_OK)
-			goto nomem;
-	}
 	err = pthread_create(&e->thread, NULL, run, e);
 	if (err != 0) {
 		vn_ce_free(e);
@@ -550,7 +669,7 @@ int vn_ce_submit(struct vn_ce_engine *e, const int *indices, int n)
 	memcpy(e->queue + e->nqueue, indices, (size_t)n * sizeof(*indices));
 	e->nqueue += n;
 	pthread_mutex_unlock(&e->lock);
-	curl_multi_wakeup(e->multi);
+	wake(e);
 	return 0;
 }
 
@@ -577,7 +696,7 @@ void vn_ce_close(struct vn_ce_engine *e)
 	e->closed = 1;
 	pthread_mutex_unlock(&e->lock);
 	if (join) {
-		curl_multi_wakeup(e->multi);
+		wake(e);
 		pthread_join(e->thread, NULL);
 	}
 }
@@ -602,6 +721,10 @@ void vn_ce_free(struct vn_ce_engine *e)
 	if (e->multi != NULL)
 		curl_multi_cleanup(e->multi);
 	ZSTD_freeDCtx(e->dctx);
+	if (e->epoll_fd >= 0)
+		close(e->epoll_fd);
+	if (e->wake_fd >= 0)
+		close(e->wake_fd);
 	pthread_mutex_destroy(&e->lock);
 	free(e->reqs);
 	free(e->slots);
