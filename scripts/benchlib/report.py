@@ -182,6 +182,11 @@ def markdown(r: dict) -> str:
                 _s(w.get("median_s")), _s(hot.get("median_s"))))
         lines.append("")
         split = _get(rread, "systems", "verneuil", "scan", "cpu_ms_per_get_by_thread")
+        busy = {name: _get(rread, "systems", name, "scan", "machine_busy_cores") for name in rread["systems"]}
+        busy = {name: cores for name, cores in busy.items() if cores is not None}
+        if busy:
+            lines += ["Cores busy during each cold scan (every process and the kernel, of %d): %s." % (
+                os.cpu_count() or 0, ", ".join("%s %s" % (name, cores) for name, cores in busy.items())), ""]
         if split:
             lines += ["This mount's CPU per GET over the cold scan, by thread: trio's %s ms (FUSE requests "
                       "and replies, flights, readahead), the engines' %s ms (the chunk engine in C: requests, "
