@@ -441,7 +441,8 @@ def _mount_gate(argv):
         v = getattr(opts, name)
         assert math.isfinite(v) and v >= 0, (name, v)
     for name in ("cache_size", "mem_cache", "readahead_max", "cache_readahead_max", "btree_max", "concurrency", "retries"):
-        assert getattr(opts, name) >= 0, name
+        v = getattr(opts, name)
+        assert (v is None and name == "concurrency") or v >= 0, name  # None: the fetcher's default for the store
 
 
 @FUZZ

@@ -45,7 +45,7 @@ def test_version():
     (["only-one-arg"], 2, "required"),
     (["file:///tmp", "/tmp", "-o", "log_file=/nonexistent-dir/log"], 2, "cannot write log_file"),
     (["file:///tmp", "/tmp", "-o", "log_file=/tmp"], 2, "Is a directory"),
-    (["file:///tmp", "/tmp", "-o", "concurrency=50000000"], 2, "at most 256"),
+    (["file:///tmp", "/tmp", "-o", "concurrency=50000000"], 2, "at most 1024"),
     (["file:///tmp", "/tmp", "-o", "cache_size=1"], 2, "at least 16M"),
     (["file:///tmp", "/tmp", "-o", "cache_dir="], 2, "an empty path"),
     (["file:///tmp", "/tmp", "-o", "hydrate,cache_size=0"], 2, "option hydrate needs a disk cache"),

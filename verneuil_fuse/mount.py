@@ -75,7 +75,7 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
   refresh=SECONDS         how often the store is polled for new or removed
                           databases and versions (default 10)
   readahead=on|off        sequential readahead (default on)
-  readahead_max=N         largest readahead window, in 64 KiB chunks (default 128)
+  readahead_max=N         largest readahead window, in 64 KiB chunks (default 256)
   cache_readahead_max=N   largest readahead window for chunks already in the
                           disk cache, in chunks: no GET, the kernel is advised
                           to read them from the cache's files (many reads in
@@ -84,7 +84,8 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
   btree_prefetch=on|off   B-tree-aware prefetch of the sibling pages a scan
                           reads next (default on)
   btree_max=N             largest B-tree prefetch window, in chunks (default 32)
-  concurrency=N           parallel GETs to the store, 1-256 (default 128)
+  concurrency=N           parallel GETs to the store, 1-1024 (default 256 on S3,
+                          128 on a directory store, whose reads take a thread each)
   prefetch_concurrency=N  of which prefetches may use at most N (default 3/4)
   retries=N               retries of a failed or slow GET (default 4)
   timeout=SECONDS         time limit of one GET attempt (default 10)
@@ -130,10 +131,11 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
 # (docs/READER.md). Random reads are not read ahead.
 DEFAULT_READ_AHEAD_KB = 4096
 
-# Largest `concurrency`: each GET in flight holds an HTTP connection (and a
-# worker thread on a directory store); 256 leaves room for a far store while
-# a typo (50000000) cannot exhaust memory at start-up.
-MAX_CONCURRENCY = 256
+# Largest `concurrency`: each GET in flight holds an HTTP connection and a
+# request of the chunk engine (about 130 KiB), or a worker thread on a
+# directory store; 1024 leaves room for a store far away while a typo
+# (50000000) cannot exhaust memory at start-up.
+MAX_CONCURRENCY = 1024
 # Smallest non-zero `cache_size`: the disk cache keeps its bound by evicting
 # whole segments, 16 of them, of at least 1 MiB each (cache.py), so a bound
 # below 16 MiB could not be kept.
@@ -182,7 +184,7 @@ class Options:
     cache_readahead_max: int = 0
     btree_prefetch: bool = True
     btree_max: int = 32
-    concurrency: int = DEFAULT_CONCURRENCY
+    concurrency: int | None = None  # the fetcher's default for the store
     prefetch_concurrency: int | None = None
     retries: int = 4
     timeout: float = DEFAULT_ATTEMPT_TIMEOUT
@@ -497,7 +499,7 @@ def check_source(opts: Options):
                 except OSError as e:
                     raise UserError("cannot read credentials_file %s: %s"
                                     % (opts.credentials_file, e.strerror or e), EXIT_USAGE) from None
-            s3_options = {"max_pool_connections": opts.concurrency * 2 + 8, "max_attempts": 2,
+            s3_options = {"max_pool_connections": (opts.concurrency or DEFAULT_CONCURRENCY) * 2 + 8, "max_attempts": 2,
                           "profile": opts.profile, "credentials_file": opts.credentials_file}
         return open_store(opts.source, **s3_options)
     except ConfigError as e:

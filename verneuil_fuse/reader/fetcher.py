@@ -70,15 +70,15 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# GETs in flight at once: on the chunk engine (S3) a GET in flight holds no
-# thread, and 128 of them hide 20 ms of latency per request at ~6,000
-# chunks/s, past what the mount's CPU serves: on the nginx rig a cold scan
-# ran at 195 MB/s and 0.255 ms of CPU per GET against 141 MB/s and 0.30 ms
-# with 64 (more answers per turn of the engine and per wake-up of trio),
-# and 192 or 256 gained nothing more (docs/BENCHMARKS.md). A
-# directory store's reads run in threads, as many: 128 measured the same
-# as 64 there.
-DEFAULT_CONCURRENCY = 128
+# GETs in flight at once on the chunk engine (S3), where a GET in flight
+# holds no thread: a cold scan keeps about 3/4 of them busy with prefetches,
+# and the store's latency (20-26 ms per request on the nginx rig) then
+# bounds it: 256 scanned at 371-383 MB/s and 0.21-0.22 ms of CPU per GET at
+# 1 GiB against 220-261 MB/s and 0.24-0.32 ms with 128 (docs/BENCHMARKS.md).
+DEFAULT_CONCURRENCY = 256
+# ... and on a store whose reads run in worker threads (a directory store),
+# one thread each: 128 measured the same as 64 there.
+DEFAULT_THREAD_CONCURRENCY = 128
 # Hydration takes the disk cache's places for this many chunks at a time
 # (1 MiB), back to back, so that the kernel's largest read requests find
 # them in one run even while a second database hydrates alongside.
@@ -207,7 +207,7 @@ class Fetcher:
         store: Any,
         cache: ChunkCache | None = None,
         *,
-        concurrency: int = DEFAULT_CONCURRENCY,
+        concurrency: int | None = None,
         prefetch_concurrency: int | None = None,
         mem_cache_bytes: int = DEFAULT_MEM_CACHE_BYTES,
         retries: int = DEFAULT_RETRIES,
@@ -234,7 +234,10 @@ class Fetcher:
         self._writes: trio.Nursery | None = None
         self.stats: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
 
-    def _init_limiters(self, concurrency: int, prefetch_concurrency: int | None) -> None:
+    def _init_limiters(self, concurrency: int | None, prefetch_concurrency: int | None) -> None:
+        if concurrency is None:
+            threads = not callable(getattr(self.store.chunks, "direct_gets", None))
+            concurrency = DEFAULT_THREAD_CONCURRENCY if threads else DEFAULT_CONCURRENCY
         # Store I/O (GET + decode in one thread hop).
         self.io_limiter = trio.CapacityLimiter(concurrency)
         # Prefetches hold one of these while they fetch: demand keeps the rest.

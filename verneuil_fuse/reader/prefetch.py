@@ -31,10 +31,11 @@ class PrefetchConfig:
     readahead: bool = True
     btree: bool = True
     readahead_initial: int = 2  # chunks
-    # Chunks (8 MiB): what keeps 128 GETs in flight (the fetcher's default
-    # concurrency) on a sequential read, enough to hide 20 ms per request
-    # at ~6,000 chunks/s (docs/BENCHMARKS.md, the nginx rig).
-    readahead_max: int = 128
+    # Chunks (16 MiB): what keeps the fetcher's prefetch slots (3/4 of its
+    # 256 GETs in flight on S3) busy on a sequential read, enough to hide
+    # 20-26 ms per request at ~6,000 chunks/s (docs/BENCHMARKS.md, the
+    # nginx rig).
+    readahead_max: int = 256
     btree_max: int = 32  # chunks
     # Chunks already in the disk cache cost no GET: up to this many ahead of
     # a sequential read (and those the b-tree prefetch predicts) the kernel
