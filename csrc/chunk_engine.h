@@ -12,6 +12,10 @@
  *
  * Between submit and take the engine owns the request; before submit and
  * after take the caller does.  The engine's lock orders the two.
+ *
+ * cffi reads the declarations below as they are
+ * (verneuil_fuse/reader/_chunk_engine_build.py): plain C, and #defines of
+ * integers only.
  */
 #ifndef VN_CHUNK_ENGINE_H
 #define VN_CHUNK_ENGINE_H
