@@ -476,3 +476,28 @@ def test_engine_path_refused_runs_flights_in_tasks(chunks, tmp_path):
     assert store.chunks.asked == 1  # the first submission, then no more
     assert f.io_limiter.borrowed_tokens == 0 and f.prefetch_slots.borrowed_tokens == 0
     assert f.stats["failed"] == 0 and not f._inflight
+
+
+class LongUrls(RefusingEngine):
+    """A chunks backend whose engine path gives URLs longer than the chunk
+    engine sends."""
+
+    def direct_gets(self):
+        self.asked += 1
+        return DirectGets(lambda key: "http://127.0.0.1:9/" + "k" * 3000 + key, [], None, 1.0, 15.0)
+
+
+def test_engine_path_that_cannot_send_runs_flights_in_tasks(chunks):
+    """GETs the chunk engine refuses to start turn the engine path off: the
+    flights give back their slots and run in tasks, and are served."""
+    store, fps, pub = chunks
+    store.chunks = LongUrls(store.chunks.inner)
+    f = Fetcher(store, None, concurrency=4, prefetch_concurrency=2)
+
+    async def go():
+        assert f.prefetch(fps[:3]) == 3
+        return [await f.get(fp) for fp in fps]
+
+    assert run(f, go) == [pub.chunks[fp] for fp in fps]
+    assert not f._engine.available and store.chunks.asked == 1 and f.stats["failed"] == 0
+    assert f.io_limiter.borrowed_tokens == 0 and f.prefetch_slots.borrowed_tokens == 0

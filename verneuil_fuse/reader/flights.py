@@ -262,17 +262,23 @@ class EnginePath:
         still queued too."""
         owner = self._owner
         ready = self._ready()
-        if ready is None:
-            for flight in batch:
-                self._release_slots(flight)
-                owner.run_in_task(flight)
-            return
-        engine, gets = ready
-        now = trio.current_time()
-        timeout = owner.timeout
-        engine.start((f, gets.url(chunk_name(f.fp)), f.fp, f.slot.target(f.fp) if f.slot is not None else None,
-                      min(timeout, max(f.deadline - now, MIN_ATTEMPT_TIMEOUT))) for f in batch)
-        owner.stats["gets"] += len(batch)
+        if ready is not None:
+            engine, gets = ready
+            now = trio.current_time()
+            timeout = owner.timeout
+            try:
+                engine.start((f, gets.url(chunk_name(f.fp)), f.fp,
+                              f.slot.target(f.fp) if f.slot is not None else None,
+                              min(timeout, max(f.deadline - now, MIN_ATTEMPT_TIMEOUT))) for f in batch)
+            except (OSError, ValueError) as e:  # a URL it cannot send, an engine closing
+                log.warning("the chunk engine takes no GET (%s): chunk GETs run in threads", e)
+                self._turn_off()
+            else:
+                owner.stats["gets"] += len(batch)
+                return
+        for flight in batch:
+            self._release_slots(flight)
+            owner.run_in_task(flight)
 
     def _turn_off(self) -> None:
         """No engine path from now on: the queued flights run in tasks."""
@@ -373,7 +379,10 @@ class EnginePath:
             return None
         engine, gets = ready
         wait = _OneGet()
-        engine.start([(wait, gets.url(chunk_name(fp)), fp, None, self._owner.timeout)])
+        try:
+            engine.start([(wait, gets.url(chunk_name(fp)), fp, None, self._owner.timeout)])
+        except (OSError, ValueError):
+            return None  # a thread, then
         await wait.event.wait()
         assert wait.outcome is not None
         result = self._result(fp, wait.outcome)
