@@ -35,7 +35,8 @@ __all__ = ["CONTENT_TYPE_LATEST", "MOUNT_GAUGES", "COPIER_GAUGES", "StatsCollect
 MOUNT_GAUGES = frozenset({
     "fetch.prefetch_waste", "fetch.inflight", "fetch.mem_cache_bytes",
     "fetch.store.reachable", "fetch.store.unreachable_since", "fetch.store.deadline",
-    "fetch.store.max_db_size",
+    "fetch.store.max_db_size", "fetch.engine_path",
+    "fetch.store.credentials.ok", "fetch.store.credentials.expires_in", "fetch.store.credentials.refreshing",
     "fetch.disk_cache.bytes", "fetch.disk_cache.limit", "fetch.disk_cache.capacity",
     "fetch.disk_cache.chunks", "fetch.disk_cache.segments", "fetch.disk_cache.writes_paused",
     "refresh.interval", "refresh.bad_manifests", "refresh.last_poll",

@@ -958,6 +958,10 @@ class Fetcher:
             "deadline": self.deadline,
             "max_db_size": self.max_db_size,
         }
+        keeper = getattr(self.store.chunks, "credentials", None)
+        if keeper is not None:
+            out["store"]["credentials"] = keeper.describe()
+        out["engine_path"] = self._engine.available
         if self.cache is not None:
             out["disk_cache"] = self.cache.describe()
         return out
