@@ -36,6 +36,7 @@ MOUNT_GAUGES = frozenset({
     "fetch.prefetch_waste", "fetch.inflight", "fetch.mem_cache_bytes",
     "fetch.store.reachable", "fetch.store.unreachable_since", "fetch.store.deadline",
     "fetch.store.max_db_size", "fetch.engine_path",
+    "fetch.throttle.limit", "fetch.throttle.ceiling", "fetch.throttle.throttled", "fetch.throttle.gets_per_s",
     "fetch.store.credentials.ok", "fetch.store.credentials.expires_in", "fetch.store.credentials.refreshing",
     "fetch.disk_cache.bytes", "fetch.disk_cache.limit", "fetch.disk_cache.capacity",
     "fetch.disk_cache.chunks", "fetch.disk_cache.segments", "fetch.disk_cache.writes_paused",

@@ -35,6 +35,7 @@ root of the chunk and manifest buckets) and strips it from listings.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import re
@@ -64,6 +65,8 @@ from .base import (
     NotFound,
     ObjectInfo,
     StoreError,
+    Throttled,
+    TimedOut,
     TransientError,
     VersionInfo,
     check_key,
@@ -175,6 +178,10 @@ TRANSIENT_CODES = frozenset(
     }
 )
 RANGE_NOT_SATISFIABLE_CODES = frozenset({"InvalidRange", "416"})
+# Of the transient codes, those that ask for fewer requests (S3's guidance:
+# back off and lower the request rate): `Throttled`.
+THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                            "TooManyRequests", "ServiceUnavailable", "429", "503"})
 
 # Longest server-supplied error message quoted in our messages (they are
 # one-liners in logs and CLI output).
@@ -186,6 +193,10 @@ _TRANSIENT_EXCEPTIONS: tuple[type[BaseException], ...] = (
     botocore.exceptions.HTTPClientError,  # read timeout, connection closed, streaming
     botocore.exceptions.IncompleteReadError,
     OSError,  # raw socket / urllib3 errors while reading a body
+)
+_TIMEOUT_EXCEPTIONS: tuple[type[BaseException], ...] = (
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.ReadTimeoutError,
 )
 _CREDENTIAL_EXCEPTIONS: tuple[type[BaseException], ...] = (
     botocore.exceptions.NoCredentialsError,
@@ -425,6 +436,8 @@ class S3Backend:
                 f"(boto3's default chain: environment, ~/.aws, instance role)",
                 key=key,
             )
+        if isinstance(exc, _TIMEOUT_EXCEPTIONS):
+            return TimedOut(f"{op} {where}: no answer from S3 in time ({type(exc).__name__})", key=key)
         if isinstance(exc, _TRANSIENT_EXCEPTIONS):
             return TransientError(
                 f"{op} {where}: cannot reach S3 ({type(exc).__name__})", key=key
@@ -445,6 +458,8 @@ class S3Backend:
             return BucketNotFound(f"{op} {where}: bucket {self.bucket} does not exist", key=key)
         if code in NOT_FOUND_CODES or status == 404:
             return NotFound(f"{op} {where}: not found ({detail})", key=key)
+        if code in THROTTLE_CODES or status in (429, 503):
+            return Throttled(f"{op} {where}: {detail}", key=key)
         if code in TRANSIENT_CODES or (isinstance(status, int) and status >= 500):
             return TransientError(f"{op} {where}: {detail}", key=key)
         return StoreError(f"{op} {where}: {detail}", key=key)
@@ -678,7 +693,8 @@ class S3Backend:
         if isinstance(result, OSError):
             if isinstance(result, BodyTooLarge) and max_bytes is not None:
                 return too_large(op, where, key, result.size, max_bytes)
-            return TransientError(f"{op} {where}: cannot reach S3 ({result.strerror or result})", key=key)
+            kind = TimedOut if result.errno == errno.ETIMEDOUT else TransientError
+            return kind(f"{op} {where}: cannot reach S3 ({result.strerror or result})", key=key)
         if 200 <= result.status < 300:
             return result.body
         match = _XML_CODE.search(result.body[:4096])
