@@ -51,7 +51,8 @@ COPIER_GAUGES = frozenset({
     "copier.last_upload",
     "spool.wal", "spool.staged_chunks", "spool.staged_chunk_bytes", "spool.ready",
     "spool.consuming", "spool.pending_bytes", "spool.manifests", "spool.source_changed",
-    "spool.lag", "spool.in_sync",
+    "spool.lag", "spool.in_sync", "spool.stopped.since", "spool.dead_letters.entries",
+    "spool.dead_letters.bytes",
 })
 
 # What a path's key becomes in a metric name: Prometheus allows

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import subprocess
 import threading
 import time
@@ -96,6 +97,8 @@ def _signature(path: str | None) -> tuple | None:
         st = os.stat(path)
     except OSError:
         return None
+    if not stat.S_ISREG(st.st_mode):
+        return None  # /dev/null (no file): its times move with every write to it
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
