@@ -9,6 +9,7 @@ entries and `DEAD_LETTER_MAX_BYTES`, the oldest dropped first and counted in
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -254,6 +255,19 @@ def dead_letters(target_dir: str) -> dict:
             "dropped": dropped}
 
 
+def _drop(path: str) -> bool:
+    """Delete a dead letter (a file, or a directory and all it holds);
+    False when it cannot be (logged)."""
+    remove = shutil.rmtree if os.path.isdir(path) and not os.path.islink(path) else os.unlink
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            remove(path)
+    except OSError as e:
+        log.warning("cannot drop dead letter %s: %s", path, e)
+        return False
+    return True
+
+
 def prune_dead_letters(target_dir: str) -> int:
     """Delete the oldest entries of `dead-letter/` (by the time they were
     moved there) until at most `DEAD_LETTER_MAX_ENTRIES` entries and
@@ -274,16 +288,7 @@ def prune_dead_letters(target_dir: str) -> int:
     dropped = 0
     while entries and (len(entries) > DEAD_LETTER_MAX_ENTRIES or total > DEAD_LETTER_MAX_BYTES):
         _, name, size = entries.pop(0)
-        path = os.path.join(target_dir, name)
-        try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.warning("cannot drop dead letter %s: %s", path, e)
+        if not _drop(os.path.join(target_dir, name)):
             break
         total -= size
         dropped += 1
