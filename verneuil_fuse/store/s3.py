@@ -235,11 +235,18 @@ class _KeptCredentials(botocore.credentials.Credentials):
     (a worker thread may wait for a refresh under way, at most its time
     limit)."""
 
+    method = "verneuil-keeper"
+
     def __init__(self, keeper: CredentialKeeper):
         self._keeper = keeper
 
     def get_frozen_credentials(self):
         return self._keeper.frozen(wait=REFRESH_TIMEOUT)
+
+    # What botocore reads of a Credentials object besides the frozen triple.
+    access_key = property(lambda self: self.get_frozen_credentials().access_key)
+    secret_key = property(lambda self: self.get_frozen_credentials().secret_key)
+    token = property(lambda self: self.get_frozen_credentials().token)
 
 
 @dataclass(frozen=True)
