@@ -12,7 +12,8 @@ must exist in moto's IAM and its SigV4 signature match):
   chunk engine's path is still the one in use;
 - a credentials file whose key is rotated (the old key deleted): re-read
   when the file changes, and when the store answers access denied although
-  the file looks unchanged (same size, mtime and inode).
+  the file looks unchanged (same size, mtime and inode); reads go on without
+  a remount (a read under way at the revocation may fail once).
 """
 from __future__ import annotations
 
@@ -72,6 +73,13 @@ def _read_errno(path: str) -> int:
     except OSError as e:
         return e.errno
     return 0
+
+
+def _read_soon(path: str) -> None:
+    """Wait until ``path`` reads whole: a read under way when the key was
+    revoked may have failed (its GETs were signed with the old key), and a
+    chunk given up on fails at once for FAILED_CHUNK_TTL."""
+    wait_for(lambda: _read_errno(path) == 0, FAILED_CHUNK_TTL + 10, "%s to read" % path)
 
 
 class _NoEnvKeys(Mount):
@@ -219,6 +227,7 @@ def test_a_rotated_credentials_file_is_read_again(signed, tmp_path):
         second = _new_key(signed, "rotator")
         write(second)
         signed.iam.delete_access_key(UserName="rotator", AccessKeyId=first["key"])
+        _read_soon(m.path(d, "two.db"))
         assert _read(m.path(d, "two.db")) == datas["two.db"]
         # Again, the file keeping its size, mtime and inode: only the
         # store's access-denied answer tells the mount.
@@ -231,5 +240,6 @@ def test_a_rotated_credentials_file_is_read_again(signed, tmp_path):
         after = os.stat(creds)
         assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
         signed.iam.delete_access_key(UserName="rotator", AccessKeyId=second["key"])
+        _read_soon(m.path(d, "three.db"))
         assert _read(m.path(d, "three.db")) == datas["three.db"]
         assert m.stats()["fetch"]["store"]["credentials"]["refreshes"] >= 3

@@ -22,7 +22,7 @@ client (store/s3.py attaches one to every client it makes):
   `REFRESH_AHEAD` of their expiry (at most once per `AHEAD_INTERVAL`), when
   the shared credentials file changed (size, mtime or inode, looked at at
   most once per `FILE_CHECK_INTERVAL`), when the store answered access
-  denied (`denied`, at most once per `DENIED_INTERVAL`), or when they are
+  denied (`denied`, at most once per `DENIED_INTERVAL` for the same key), or when they are
   unusable; after a failed refresh the next starts by itself `RETRY_FIRST`
   seconds later, doubling to `RETRY_CAP`, until one succeeds;
 - a failed or slow refresh is logged at WARNING with its cause once per
@@ -132,6 +132,7 @@ class CredentialKeeper:
         self._file_sig = _signature(self._file)
         self._next_file_check = time.monotonic() + FILE_CHECK_INTERVAL
         self._denied_at = -DENIED_INTERVAL
+        self._denied_key: str | None = None  # the key in use at the last re-read for a denial
         self.refreshes = 0
         self.failures = 0
 
@@ -162,11 +163,14 @@ class CredentialKeeper:
 
     def denied(self) -> None:
         """The store answered access denied: resolve the chain again (a
-        rotated key), at most once per `DENIED_INTERVAL`."""
+        rotated key), at most once per `DENIED_INTERVAL` for the same key
+        (a key that changed since the last such re-read is news: at once)."""
         now = time.monotonic()
         with self._lock:
-            if now - self._denied_at >= DENIED_INTERVAL:
+            key = self._frozen.access_key if self._frozen is not None else None
+            if now - self._denied_at >= DENIED_INTERVAL or key != self._denied_key:
                 self._denied_at = now
+                self._denied_key = key
                 self._reload = True
                 self._next_try = min(self._next_try, now)
 
@@ -249,6 +253,7 @@ class CredentialKeeper:
             self._frozen = frozen
             self._expiry = expiry.timestamp() if expiry is not None else None
             self.refreshes += 1
+            log.debug("%s: AWS credentials resolved (%d so far)", self._what, self.refreshes)
             self._backoff = RETRY_FIRST
             if self._failure is not None and self._episode_logged:
                 log.warning("%s: AWS credentials resolved again; requests are signed again", self._what)
