@@ -102,6 +102,18 @@ def _signature(path: str | None) -> tuple | None:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def _frozen_of(credentials: Any) -> Any:
+    """The credentials just resolved, as they are: botocore's own
+    `get_frozen_credentials` of expiring ones would refresh them again in
+    this thread (running a credential_process a second time) whenever they
+    expire within its advisory 15 minutes."""
+    if isinstance(credentials, botocore.credentials.RefreshableCredentials) and getattr(
+            credentials, "_access_key", None):
+        return botocore.credentials.ReadOnlyCredentials(
+            credentials._access_key, credentials._secret_key, credentials._token)
+    return credentials.get_frozen_credentials()  # a deferred one resolves here, once
+
+
 def _cause(error: BaseException) -> str:
     text = "%s: %s" % (type(error).__name__, error) if str(error) else type(error).__name__
     return text.replace("\n", " ")[:MAX_CAUSE]
@@ -245,7 +257,7 @@ class CredentialKeeper:
             done.set()
 
     def _install(self, credentials: Any) -> None:
-        frozen = credentials.get_frozen_credentials()
+        frozen = _frozen_of(credentials)
         if frozen is None or not frozen.access_key:
             raise LookupError("the credentials resolved have no access key")
         expiry = getattr(credentials, "_expiry_time", None)
