@@ -20,12 +20,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import sys
 import threading
 import time
 
 import pytest
 
+from support.credential_process import profile_config
 from support.replicas import HOST, Mount, fuse_unavailable, publish, wait_for
 from support.s3server import REGION, S3Server, patched_environ
 from verneuil_fuse.reader.fetcher import FAILED_CHUNK_TTL
@@ -36,20 +36,6 @@ pytestmark = [pytest.mark.fuse, pytest.mark.s3, pytest.mark.timeout(240)]
 if fuse_unavailable():
     pytestmark.append(pytest.mark.skip(reason=fuse_unavailable()))
 
-# The credential_process: answers as the control file says ("ok": keys that
-# expire `ttl` seconds from now; "fail": exit 1; "hang": sleep).
-PROCESS = r'''
-import datetime, json, sys, time
-ctl = json.load(open(sys.argv[1]))
-if ctl["mode"] == "fail":
-    sys.stderr.write("the vault is sealed\n")
-    sys.exit(1)
-if ctl["mode"] == "hang":
-    time.sleep(120)
-expiry = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=ctl["ttl"])
-print(json.dumps({"Version": 1, "AccessKeyId": ctl["key"], "SecretAccessKey": ctl["secret"],
-                  "Expiration": expiry.strftime("%Y-%m-%dT%H:%M:%SZ")}))
-'''
 # Seconds a store takes to answer a `stat`, `ls`, the stats or a cached read
 # at most while the credential_process hangs (docs: "a second").
 QUICK_S = 1.0
@@ -139,10 +125,8 @@ def test_a_hanging_then_failing_credential_process(signed, tmp_path):
         ctl.write_text(json.dumps(dict(keys, mode=mode, ttl=ttl)))
 
     steer("ok")
-    script = tmp_path / "process.py"
-    script.write_text(PROCESS)
     config = tmp_path / "config"
-    config.write_text("[profile p]\ncredential_process = %s %s %s\n" % (sys.executable, script, ctl))
+    config.write_text(profile_config("p", str(ctl)))
     log = tmp_path / "mount.log"
 
     class ProcessMount(_NoEnvKeys):

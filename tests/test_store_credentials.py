@@ -13,44 +13,28 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 
 import botocore.session
 import pytest
 
+from support.credential_process import profile_config
 from verneuil_fuse.store import credentials as kc
 
-PROCESS = r'''
-import datetime, json, sys, time
-ctl = json.load(open(sys.argv[1]))
-with open(sys.argv[1] + ".runs", "a") as runs:
-    runs.write(ctl["mode"] + "\n")
-if ctl["mode"] == "fail":
-    sys.stderr.write("no vault\n")
-    sys.exit(1)
-if ctl["mode"] == "hang":
-    time.sleep(60)
-expiry = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=ctl["ttl"])
-print(json.dumps({"Version": 1, "AccessKeyId": ctl["key"], "SecretAccessKey": "s",
-                  "Expiration": expiry.strftime("%Y-%m-%dT%H:%M:%SZ")}))
-'''
 
 
 @pytest.fixture
 def process(tmp_path, monkeypatch):
     ctl = tmp_path / "ctl.json"
-    script = tmp_path / "process.py"
-    script.write_text(PROCESS)
     config = tmp_path / "config"
-    config.write_text("[profile p]\ncredential_process = %s %s %s\n" % (sys.executable, script, ctl))
+    config.write_text(profile_config("p", str(ctl)))
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
 
     def steer(mode: str, key: str = "AKIA0000000000000001", ttl: float = 600) -> None:
-        ctl.write_text(json.dumps({"mode": mode, "key": key, "ttl": ttl}))
+        ctl.write_text(json.dumps({"mode": mode, "key": key, "secret": "s", "ttl": ttl}))
 
     def keeper() -> kc.CredentialKeeper:
         session = botocore.session.Session(profile="p")
@@ -97,7 +81,7 @@ def test_unusable_credentials_fail_at_once_and_are_tried_again(process, monkeypa
     while k.describe()["failures"] < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     start = time.monotonic()
-    with pytest.raises(kc.CredentialsUnavailable, match="no vault"):
+    with pytest.raises(kc.CredentialsUnavailable, match="the vault is sealed"):
         k.frozen(5.0)  # no refresh under way: nothing to wait for
     assert time.monotonic() - start < 0.5
     steer("ok", key="AKIA0000000000000002")
