@@ -35,7 +35,9 @@ __all__ = ["CONTENT_TYPE_LATEST", "MOUNT_GAUGES", "COPIER_GAUGES", "StatsCollect
 MOUNT_GAUGES = frozenset({
     "fetch.prefetch_waste", "fetch.inflight", "fetch.mem_cache_bytes",
     "fetch.store.reachable", "fetch.store.unreachable_since", "fetch.store.deadline",
-    "fetch.store.max_db_size",
+    "fetch.store.max_db_size", "fetch.engine_path",
+    "fetch.throttle.limit", "fetch.throttle.ceiling", "fetch.throttle.throttled", "fetch.throttle.gets_per_s",
+    "fetch.store.credentials.ok", "fetch.store.credentials.expires_in", "fetch.store.credentials.refreshing",
     "fetch.disk_cache.bytes", "fetch.disk_cache.limit", "fetch.disk_cache.capacity",
     "fetch.disk_cache.chunks", "fetch.disk_cache.segments", "fetch.disk_cache.writes_paused",
     "refresh.interval", "refresh.bad_manifests", "refresh.last_poll",
@@ -49,7 +51,8 @@ COPIER_GAUGES = frozenset({
     "copier.last_upload",
     "spool.wal", "spool.staged_chunks", "spool.staged_chunk_bytes", "spool.ready",
     "spool.consuming", "spool.pending_bytes", "spool.manifests", "spool.source_changed",
-    "spool.lag", "spool.in_sync",
+    "spool.lag", "spool.in_sync", "spool.stopped.since", "spool.dead_letters.entries",
+    "spool.dead_letters.bytes",
 })
 
 # What a path's key becomes in a metric name: Prometheus allows

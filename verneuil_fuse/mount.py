@@ -68,9 +68,10 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
   cache_dir=PATH          chunk cache directory, shared by all mounts and kept
                           across remounts (default: /var/cache/verneuil as root,
                           else ~/.cache/verneuil)
-  cache_size=SIZE         bound of the disk cache, e.g. 2G, 512M; 0 = no disk
-                          cache, else at least 16M (default 2G); the cache
-                          also leaves 5% of its file system free (at most 1G)
+  cache_size=SIZE         bound of the disk cache this mount keeps (mounts
+                          sharing a cache_dir each add theirs), e.g. 2G, 512M;
+                          0 = no disk cache, else at least 16M (default 2G);
+                          it also leaves 5% of its file system free (at most 1G)
   mem_cache=SIZE          in-process cache of hot chunks (default 64M)
   refresh=SECONDS         how often the store is polled for new or removed
                           databases and versions (default 10)

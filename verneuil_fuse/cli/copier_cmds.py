@@ -36,6 +36,7 @@ def _copier_kwargs(args, cfg: dict, one_off: bool = False) -> dict:
     unless the command line says otherwise."""
     from .. import config
     kw = config.copier_options(cfg)
+    kw["max_db_size"] = config.max_db_size(cfg)
     if one_off:
         kw["rate"], kw["workers"] = FLUSH_RATE, FLUSH_WORKERS
     for name in ("rate", "burst", "workers", "db_workers", "poll_interval", "lock_timeout"):
@@ -247,8 +248,10 @@ def cmd_sync(args) -> int:
 
 
 def cmd_lag(args) -> int:
+    from .. import config
     from ..copier.status import spool_status
     spool = spool_from_args(args)
+    bound = config.max_db_size(config.load_optional(args.store))
     store = None
     if not args.no_store:
         try:
@@ -258,7 +261,7 @@ def cmd_lag(args) -> int:
                 raise
             # VERNEUIL_CONFIG may name a spool but no store: report the spool only.
     try:
-        report = spool_status(spool, store)
+        report = spool_status(spool, store, max_db_size=bound)
     finally:
         if store is not None:
             store.close()
@@ -276,7 +279,13 @@ def cmd_lag(args) -> int:
         else:
             state = ("in sync" if db["in_sync"] else
                      "behind %.1fs" % lag if lag is not None else "pending")
-        if db.get("wal"):
+        stopped = db.get("stopped")
+        if stopped is not None:
+            state = "STOPPED replicating: %s%s; the store's copy is behind%s" % (
+                stopped["reason"],
+                " (for %.1fs)" % (time.time() - stopped["since"]) if stopped.get("since") else "",
+                " by %.1fs at least" % lag if lag else "")
+        elif db.get("wal"):
             state = ("WAL: NOT replicated (the database is in journal_mode=WAL; replication resumes "
                      "after PRAGMA journal_mode=DELETE); last snapshot: " + state)
         elif db["source_changed"]:
@@ -299,4 +308,8 @@ def cmd_lag(args) -> int:
         print("  staged chunks: %d (%s); pending: %s" % (
             db["staged_chunks"], fmt_size(db["staged_chunk_bytes"]),
             fmt_size(db["pending_bytes"])))
+    letters = report[-1].get("dead_letters") or {}
+    if letters.get("entries") or letters.get("dropped"):
+        print("dead letters: %d (%s) kept, %d oldest dropped" % (
+            letters["entries"], fmt_size(letters["bytes"]), letters["dropped"]))
     return EXIT_OK

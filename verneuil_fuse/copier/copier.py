@@ -15,6 +15,13 @@ database directory it
    is neither `ready` nor `consuming`.  The check runs under the lock, so a
    manifest upload never overtakes a newer one from this host.
 
+A manifest of a database past `max_db_size` (`format.MAX_REPLICATED_DB_SIZE`
+by default, the writer's own bound; VERNEUIL_CONFIG lowers it for the
+writer, the copiers and `lag` alike) is refused: said once per database at
+ERROR, recorded in `copier.stopped` (removed once a manifest of it is
+uploaded again), the chunks of a refused `ready` snapshot deleted unsent,
+its manifest moved to the (bounded) dead letters.
+
 Uploads are zstd frames (docs/FORMAT.md); requests are paced by a token bucket
 and transient errors retried with jittered exponential backoff.  Chunks
 uploaded recently are remembered (bounded LRU) and not sent again.  Chunks of
@@ -27,6 +34,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import json
 import logging
 import os
 import random
@@ -59,6 +67,11 @@ PREPARE_THREADS = 3
 
 class BadSnapshot(Exception):
     """A spooled snapshot we will not upload (moved aside or skipped)."""
+
+
+class PastBound(BadSnapshot):
+    """A snapshot of a database past `max_db_size`: the database stops
+    replicating until it is back under the bound."""
 
 
 class OtherStore(StoreError):
@@ -121,8 +134,10 @@ class Copier:
                  recent_capacity: int = 1 << 16, backoff: Optional[Backoff] = None,
                  verify_chunks: bool = True, create_spool: bool = False,
                  stop_event: Optional[threading.Event] = None,
-                 cleanup_interval: float = 60.0):
+                 cleanup_interval: float = 60.0, max_db_size: int = fmt.MAX_REPLICATED_DB_SIZE):
         self.spool_dir = os.path.abspath(spool_dir)
+        self.max_db_size = max_db_size
+        self._stopped_said: set[str] = set()  # databases whose refusal was logged
         sp.check_spool(self.spool_dir, create=create_spool)
         self.store = store
         self.bucket = TokenBucket(rate, burst)
@@ -375,14 +390,44 @@ class Copier:
 
     def _validate(self, raw: bytes) -> fmt.Manifest:
         try:
-            return fmt.decode_and_validate(raw, fetch_chunk=self._fetch_chunk)
+            return fmt.decode_and_validate(raw, fetch_chunk=self._fetch_chunk, max_db_size=self.max_db_size)
         except fmt.ManifestError as e:
-            raise BadSnapshot(str(e)) from None
+            raise (PastBound if e.rule == "size-limit" else BadSnapshot)(str(e)) from None
+
+    def _past_bound(self, raw: bytes) -> bool:
+        """Whether a manifest describes a database past `max_db_size`
+        (checked before its chunks are sent; anything else it may be wrong
+        with is `_validate`'s to say)."""
+        try:
+            fmt.decode_and_validate(raw, max_db_size=self.max_db_size)
+        except fmt.ManifestError as e:
+            return e.rule == "size-limit"
+        return False
+
+    def _stopped(self, db: sp.DbDir, why: str) -> None:
+        """A manifest of `db` is past `max_db_size`: record since when in
+        `copier.stopped` (once), and say it once per database."""
+        record = json.dumps({"since": time.time(), "max_db_size": self.max_db_size, "reason": why})
+        sp.write_new(db.sub(sp.STOPPED_FILE), record.encode())
+        with self._stats_lock:
+            first = db.name not in self._stopped_said
+            self._stopped_said.add(db.name)
+        if first:
+            log.error("%s: NOT replicated from now on: %s (max_db_size %s; the store keeps its last copy; "
+                      "`verneuilctl lag` shows it)", db.source() or db.path, why, fmt.format_size(self.max_db_size))
+
+    def _replicates(self, db: sp.DbDir) -> None:
+        """A manifest of `db` reached the store: no longer stopped."""
+        if sp.unlink_quiet(db.sub(sp.STOPPED_FILE)):
+            with self._stats_lock:
+                self._stopped_said.discard(db.name)
+            log.warning("%s: replicated again (back under max_db_size)", db.source() or db.path)
 
     def _upload_manifest(self, db: sp.DbDir, name: str, raw: bytes, m: fmt.Manifest) -> None:
         blob = fmt.compress_manifest(raw)
         self._request(lambda: self.store.manifests.put(name, blob), "put manifest")
         self._state(db).last_raw[name] = _raw_fp(raw)
+        self._replicates(db)
         self._count(manifests_uploaded=1)
         self.stats.last_upload = time.time()
         state = self._state(db)
@@ -581,6 +626,8 @@ class Copier:
             if entry not in (sp.CHUNKS, sp.META):
                 self._dead_letter(db, os.path.join(base, entry), "snapshot.%s.%s" % (label, entry))
         chunks_dir = os.path.join(base, sp.CHUNKS)
+        if self._snapshot_past_bound(os.path.join(base, sp.META)):
+            shutil.rmtree(chunks_dir, ignore_errors=True)  # never sent: its manifest is refused below
         bad = self._upload_chunk_dir(db, chunks_dir)
         err = sp.rmdir_quiet(chunks_dir)
         if err == errno.ENOTDIR:
@@ -598,6 +645,18 @@ class Copier:
                     self._upload_consumed_manifest(db, meta_dir, name, bad)
         if sp.rmdir_quiet(meta_dir) == errno.ENOTDIR:
             self._dead_letter(db, meta_dir, "snapshot.%s.meta" % label)
+
+    def _snapshot_past_bound(self, meta_dir: str) -> bool:
+        """Whether a snapshot's manifest describes a database past
+        `max_db_size` (then its chunks are not sent)."""
+        for name in sp.listdir_or_empty(meta_dir):
+            try:
+                raw = sp.read_regular(os.path.join(meta_dir, name))
+            except OSError:
+                continue
+            if self._past_bound(raw):
+                return True
+        return False
 
     def _upload_consumed_manifest(self, db: sp.DbDir, meta_dir: str, name: str, bad: int) -> None:
         path = os.path.join(meta_dir, name)
@@ -620,6 +679,10 @@ class Copier:
             return
         try:
             m = self._validate(raw)
+        except PastBound as e:
+            self._stopped(db, str(e))
+            self._dead_letter(db, path, "too-large.manifest")
+            return
         except BadSnapshot as e:
             log.error("%s: %s; moved aside", path, e)
             self._dead_letter(db, path, "invalid.manifest")
@@ -708,6 +771,10 @@ class Copier:
                 return False
             try:
                 m = self._validate(raw)
+            except PastBound as e:
+                self._stopped(db, str(e))
+                state.staged_bad[name] = ident
+                return False
             except BadSnapshot as e:
                 log.error("staged manifest %s is invalid, not uploaded: %s", path, e)
                 state.staged_bad[name] = ident

@@ -31,7 +31,7 @@ def copier_families(copier: Copier) -> list:
     """The metric families of `copier` and its spool, now."""
     stats: dict = {"copier": copier.stats_snapshot()}
     try:
-        spool = {db["source"] or db["dbdir"]: db for db in spool_status(copier.spool_dir)}
+        spool = {db["source"] or db["dbdir"]: db for db in spool_status(copier.spool_dir, max_db_size=copier.max_db_size)}
     except (OSError, NotASpool) as e:
         log.warning("metrics: cannot read the spool %s: %s", copier.spool_dir, e)
         spool = {}

@@ -50,7 +50,8 @@ time `history.parse_time` reads) in a database's directory is resolved on
 lookup only (never listed) to a pinned replica of the version current at that
 time (`past.PastStates`); an unknown database, a time no version is as old
 as, or a name that is not a time is ENOENT. Real entries win: a database
-whose own name holds an ``@`` is found as itself.
+whose own name holds an ``@`` is found as itself, also before a poll listed
+it (the name is looked up in the store first, as any unlisted name).
 
 Hydration (``hydrate``): each database's newest version is fetched into the
 disk cache in the background; one that could not fetch every chunk is tried
@@ -260,7 +261,8 @@ class Catalog:
         self._bad: dict[str, tuple[int, float, float]] = {}
         self.last_poll = 0.0
         self.versions_seen = 0
-        self.counts = dict.fromkeys(("loads", "unparks", "parks", "stale", "direct_lookups", "direct_found"), 0)
+        self.counts = dict.fromkeys(("loads", "unparks", "parks", "stale", "direct_lookups", "direct_found",
+                                    "cache_dropped"), 0)
         # Decoded versions, least recently used first (see `decoded_limit`).
         self._decoded: OrderedDict[int, Replica] = OrderedDict()
         # Loads under way, by inode: later lookups wait for the first.
@@ -465,16 +467,10 @@ class Catalog:
         """Decode a parked version again (from the manifest cache, else the
         store); Stale when neither has that version any more."""
         self.counts["unparks"] += 1
-        blob = None
         cached = await self._cache_get(parked.key)
-        if cached is not None and cached.version == parked.version:
-            blob = cached.blob
         manifest = None
-        if blob is not None:
-            try:
-                manifest = await self.fetcher.decode_manifest(blob)
-            except (ManifestError, TooLarge) as e:
-                log.warning("manifest cache: %s does not decode (%s); read from the store", parked.path, e)
+        if cached is not None and cached.version == parked.version:
+            manifest = await self._decode_cached(parked.key, parked.path, cached.blob)
         if manifest is None:
             try:
                 blob = await self._fetch_blob(parked.key)
@@ -502,19 +498,23 @@ class Catalog:
         from the manifest cache when it holds the listed blob; install it as
         the entry's newest version. False when it is not valid."""
         self.counts["loads"] += 1
+        path = os.path.join(entry.parent.path, entry.name)
         cached = await self._cache_get(entry.key)
-        fetched_at = 0.0
+        manifest = None
         blob = None
+        fetched_at = 0.0
         if (cached is not None and (cached.size, cached.mtime) == (entry.size, entry.listed_mtime)
                 and cached.fetched_at - cached.mtime >= SETTLE_SECONDS):
-            blob, fetched_at = cached.blob, cached.fetched_at
+            manifest = await self._decode_cached(entry.key, path, cached.blob)
+            if manifest is not None:
+                blob, fetched_at = cached.blob, cached.fetched_at
         try:
-            if blob is None:
+            if manifest is None:
                 blob = await self._fetch_blob(entry.key)
                 fetched_at = self.clock()
-            manifest = await self.fetcher.decode_manifest(blob)
+                manifest = await self.fetcher.decode_manifest(blob)
         except NotFound:
-            log.info("database %s is gone from the store", os.path.join(entry.parent.path, entry.name))
+            log.info("database %s is gone from the store", path)
             self._remove(entry.key)
             return False
         except (ManifestError, TooLarge) as e:
@@ -538,6 +538,20 @@ class Catalog:
         except StoreError as e:
             raise FetchError("manifest %s: %s" % (key, e)) from None
 
+    async def _decode_cached(self, key: str, path: str, blob: bytes) -> Any:
+        """The manifest a blob of the manifest cache decodes to; None when
+        it does not (a damaged local copy, never the store's answer): the
+        entry is dropped and logged, and the caller asks the store."""
+        try:
+            return await self.fetcher.decode_manifest(blob)
+        except (ManifestError, TooLarge) as e:
+            self.counts["cache_dropped"] += 1
+            log.warning("manifest cache: the copy of %s does not decode (%s): dropped, read from the store",
+                        path, e)
+            assert self.manifest_cache is not None
+            await trio.to_thread.run_sync(self.manifest_cache.drop, key)
+            return None
+
     async def _cache_get(self, key: str) -> Cached | None:
         if self.manifest_cache is None:
             return None
@@ -554,14 +568,17 @@ class Catalog:
         GET): found, it joins the tree at once. Only in a host's directories,
         not for SQLite's own side files (a writer never replicates them,
         and a reader asks for them at every transaction), and once per name
-        between two polls."""
+        between two polls. A name with an ``@`` is looked up too, before
+        it may be read as a past state (a real database always wins): a
+        store failure then raises FetchError rather than let the past
+        state of another database answer."""
         parts = []
         node: Directory | None = parent
         while node is not None and node.parent is not None:
             parts.append(node.name)
             node = node.parent
         parts.reverse()
-        if not parts or parts[0] == CONTROL_DIR or name.endswith(SQLITE_SIDE_FILES) or "@" in name:
+        if not parts or parts[0] == CONTROL_DIR or name.endswith(SQLITE_SIDE_FILES):
             return None
         path = "/" + "/".join(parts[1:] + [name])
         key = key_of(parts[0], parts[1:] + [name])
@@ -581,6 +598,8 @@ class Catalog:
             return None
         except FetchError as e:
             log.warning("lookup of %s in the store: %s", path, e)
+            if "@" in name:
+                raise
             return None
         entry = self._add(key, len(blob), UNLISTED_MTIME)
         if entry is None:
