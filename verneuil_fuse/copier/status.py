@@ -132,9 +132,13 @@ def db_status(db: sp.DbDir, store=None) -> dict:
     info["source_changed"] = bool(changed)
     # Lag: how old the oldest snapshot not yet in the store is (0 if in sync).
     ages = [s["age"] for s in info["ready"] + info["consuming"]] + changed
+    # No snapshot at all yet (a WAL database, a spool directory the writer
+    # made before its first snapshot): never in sync, nothing to ship.
+    info["snapshotted"] = bool(manifests or info["ready"] or info["consuming"])
     if store is not None:
         ages += [e["age"] for e in manifests if e.get("in_store") != "current"]
-        in_sync = not ages and staged_files == 0 and all(e.get("in_store") == "current" for e in manifests)
+        in_sync = bool(info["snapshotted"] and not ages and staged_files == 0
+                       and all(e.get("in_store") == "current" for e in manifests))
         info["lag"] = 0.0 if in_sync else (max(ages) if ages else None)
         info["in_sync"] = in_sync
     else:
