@@ -336,8 +336,11 @@ def _add_query(sub, parents: _Parents) -> None:
                        help="one SQL query over many databases, with Spark",
                        description="Run SQL on every SQLite database under MOUNT_OR_GLOB (a "
                                    "directory such as a verneuil mount, a glob, or files) with "
-                                   "Spark; each row carries its database in _source. Shows the "
-                                   "first rows; --output writes them all. Queries cannot write.")
+                                   "Spark; each row carries its database in _source. With "
+                                   "--union, the SQL runs once over the union of the tables it "
+                                   "names (e.g. SELECT count(*) FROM t counts every database's "
+                                   "rows). Shows the first rows; --output writes them all. "
+                                   "Queries cannot write.")
     p.add_argument("items", nargs="+", metavar="MOUNT_OR_GLOB... SQL",
                    help="directories, globs or database files (a glob the shell expanded is "
                         "fine), then the SQL (unless --sql gives it)")
@@ -350,7 +353,12 @@ def _add_query(sub, parents: _Parents) -> None:
     p.add_argument("-f", "--force", action="store_true",
                    help="replace OUT if it exists (otherwise refused before the query runs)")
     p.add_argument("--on-error", choices=("fail", "skip", "report"), default="fail",
-                   help="a database that fails: fail the job, skip it, or report it in _error")
+                   help="a database that fails: fail the job, skip it (the count and the reasons "
+                        "are printed), or report it in _error")
+    p.add_argument("--union", action="store_true",
+                   help="run the SQL once, in Spark SQL, over the union of each table it names across "
+                        "the databases (each row with its database in _source), so that it can "
+                        "aggregate across them; without it SQLite runs the SQL on each database")
     p.set_defaults(func=cmd_query)
 
 
