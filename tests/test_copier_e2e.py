@@ -20,7 +20,7 @@ from verneuil_fuse.copier import (Copier, fetch_manifest, restore_bytes,
 from verneuil_fuse.copier import spool as sp
 from verneuil_fuse.store import open_store
 
-from support.copier_support import (WRITER_KINDS, Writer, counter_of, store_counter,
+from support.copier_support import (WRITER_KINDS, CopierDaemon, Writer, counter_of, store_counter,
                                  wait_for)
 
 VERNEUILCTL = [sys.executable, "-m", "verneuil_fuse.cli"]
@@ -270,39 +270,6 @@ def test_sigterm_ends_an_idle_copier_at_once(spool, tmp_path):
             p.kill()
             p.wait(30)
         p.stderr.close()
-
-
-class CopierDaemon:
-    """`verneuilctl copier` in a child process, its log read as it comes:
-    `until(text)` reads lines until one holds `text` (bounded); `stop()`
-    sends SIGTERM, checks the clean exit and returns all it logged; as a
-    context manager it always ends the process."""
-
-    def __init__(self, spool: str, store_url: str, *extra: str):
-        self.proc = subprocess.Popen(VERNEUILCTL + ["copier", "--store", store_url, "--spool", spool,
-                                                    "--poll-interval", "0.05", *extra],
-                                     stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-
-    def until(self, text: str, timeout: float = 30.0) -> str:
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.lines) and time.monotonic() < deadline:
-            self.lines.append(self.proc.stderr.readline())
-        return "".join(self.lines)
-
-    def stop(self) -> str:
-        self.proc.send_signal(signal.SIGTERM)
-        assert self.proc.wait(15) == 0
-        return "".join(self.lines) + self.proc.stderr.read()
-
-    def __enter__(self) -> "CopierDaemon":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-        self.proc.stderr.close()
 
 
 def test_the_copier_daemon_says_what_it_does(spool, tmp_path):
