@@ -185,6 +185,9 @@ LOG_DIR_ENV = "VERNEUIL_LOG_DIR"
 # metrics_port listens on loopback unless told otherwise: the series name
 # the databases of the host.
 DEFAULT_METRICS_ADDRESS = "127.0.0.1"
+# Largest uid= or gid=: the kernel's ids are 32 bits, and (uid_t)-1 means
+# "no change" to the system calls that take one.
+MAX_ID = (1 << 32) - 2
 
 
 @dataclass
@@ -323,7 +326,9 @@ def _address(text: str) -> str:
 
 def _named_id(text: str, lookup, what: str) -> int:
     """A user or group id: a number, or a name `lookup` finds on this host."""
-    if text.isdigit():
+    if re.fullmatch(r"[0-9]+", text):
+        if int(text) > MAX_ID:
+            raise ValueError("at most %d" % MAX_ID)
         return int(text)
     try:
         return lookup(text)
