@@ -26,7 +26,16 @@ DEV_PACKAGES=(
 PIP_PINS=(pip==26.3 setuptools==84.2.1 wheel==0.48.0 cffi==2.1.1)
 
 echo "setup: Debian packages"
+had_prometheus=0
+command -v prometheus >/dev/null && had_prometheus=1
 apt_install_missing "${RUNTIME_PACKAGES[@]}" "${SPARK_PACKAGES[@]}" "${DEV_PACKAGES[@]}"
+# Debian's package starts a Prometheus server as a service; the tests start
+# their own, so one this setup brought stops again.
+if ((had_prometheus == 0)) && [ -d /run/systemd/system ]; then
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+fi
 
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"

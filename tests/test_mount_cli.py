@@ -249,7 +249,8 @@ def test_start_retry_waits_for_the_store(s3_server, tmp_path):
 def test_help_lists_start_up_options():
     out = run("--help")
     assert out.returncode == 0
-    for name in ("profile=NAME", "credentials_file=PATH", "start_retry=SECONDS"):
+    for name in ("profile=NAME", "credentials_file=PATH", "start_retry=SECONDS", "metrics_port=PORT",
+                 "metrics_address=ADDRESS", "uid=USER, gid=GROUP", "umask=MODE", "subdir=/HOST[/PATH]"):
         assert name in out.stdout
     opts = mount.parse_args(["s", "m", "-o", "profile=replicas,credentials_file=c,start_retry=2.5"])
     assert (opts.profile, opts.credentials_file, opts.start_retry) == ("replicas", "c", 2.5)

@@ -145,8 +145,14 @@ def cluster_without_mount(replicas, tmp_path_factory):
     if shutil.which("unshare") is None:
         pytest.skip("no unshare(1)")
     root = tmp_path_factory.mktemp("cluster-without-mount")
+    # The host name must resolve there (the JVM looks itself up): a hosts
+    # file of that namespace's own, bound over /etc/hosts there only.
+    hosts = root / "hosts"
+    with open("/etc/hosts") as f:
+        hosts.write_text(f.read() + "\n127.0.0.1 %s\n" % NO_MOUNT_HOST)
     prefix = ("unshare", "--mount", "--uts", "--propagation", "private", "--", "sh", "-c",
-              'hostname "$0" && umount -l "$1" && shift && exec "$@"', NO_MOUNT_HOST, mountpoint)
+              'hostname "$0" && mount --bind "$1" /etc/hosts && umount -l "$2" && shift 2 && exec "$@"',
+              NO_MOUNT_HOST, str(hosts), mountpoint)
     url, _workers, daemons = _start_cluster(root, 1, prefix)
     try:
         yield url
