@@ -306,6 +306,20 @@ def test_versions_and_restore_at(any_store, tmp_path):
     assert [r["version_id"] for r in rows] == ids
     unchecked = json.loads(run(["versions", "--json", "--no-check"] + target).stdout)
     assert [r["complete"] for r in unchecked] == [None] * 3
+    # An older version only: exit 0 (the database can be restored as it is
+    # now), and a warning says what the missing chunks cost.
+    proc = run(["versions"] + target)
+    assert proc.returncode == 0 and b"1 MISSING" in proc.stdout, proc.stderr
+    assert b"warning: 1 older version misses chunks and cannot be restored" in proc.stderr, proc.stderr
+    # A chunk of the latest version: exit 3, and the warning says so.
+    only_latest = sorted(chunk_sets[2] - chunk_sets[0] - chunk_sets[1])
+    assert only_latest, "the latest version shares all its chunks"
+    store.chunks.delete(only_latest[0].name)
+    proc = run(["versions"] + target)
+    assert proc.returncode == 3, proc.stderr
+    assert b"warning: the latest version misses 1 chunk: restoring or reading" in proc.stderr, proc.stderr
+    assert run(["versions", "--json"] + target).returncode == 3
+    assert run(["versions", "--no-check"] + target).returncode == 0  # not checked: not known
 
 
 @pytest.mark.skipif(not shutil.which("sqlite3"), reason="no sqlite3 shell")

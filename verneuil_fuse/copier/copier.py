@@ -100,6 +100,12 @@ class CopierStats:
     def snapshot(self) -> dict:
         return dataclasses.asdict(self)
 
+    def summary(self) -> str:
+        """The counters in one short line, for the log."""
+        return ("%d passes, %d chunks uploaded (%d bytes sent), %d manifests uploaded, %d requests, %d errors"
+                % (self.passes, self.chunks_uploaded, self.chunk_bytes_sent, self.manifests_uploaded,
+                   self.requests, self.errors))
+
 
 @dataclasses.dataclass
 class _DbState:
@@ -152,6 +158,7 @@ class Copier:
         self.wake_event = threading.Event()
         self.cleanup_interval = cleanup_interval
         self.workers = workers
+        self.db_workers = db_workers
         self._pool = DaemonPool(workers)
         # Databases are handled in parallel too (their chunk uploads share
         # `_pool`, whose tasks never wait on other tasks: no deadlock).
@@ -433,7 +440,8 @@ class Copier:
         state = self._state(db)
         if not state.announced:
             state.announced = True
-            log.info("replicating %s to %s (manifest %s)", db.source() or db.path, self.store.describe(), name)
+            log.info("replicating %s", db.source() or db.path)
+            log.debug("%s: manifest %s", db.source() or db.path, name)
         log.debug("uploaded manifest %s (%d bytes, %d chunks)", name, m.len, len(m.chunks))
         self._maybe_schedule_touch(db, m)
 
@@ -947,7 +955,7 @@ class Copier:
         store catches up soon after an outage ends)."""
         failures = 0
         log.info("copier started: spool %s -> %s (%s requests/s, burst %d, %d workers)", self.spool_dir,
-                 self.store.describe(), "%g" % self.bucket.rate if self.bucket.rate else "unpaced", self.bucket.burst, self.workers)
+                 self.store.url, "%g" % self.bucket.rate if self.bucket.rate else "unpaced", self.bucket.burst, self.workers)
         try:
             while not self.stop_event.is_set():
                 try:
@@ -970,7 +978,7 @@ class Copier:
                     self.wake_event.wait(wait)
                     self.wake_event.clear()
         finally:
-            log.info("copier stopped: %s", self.stats.snapshot())
+            log.info("copier stopped: %s", self.stats.summary())
 
     def stop(self) -> None:
         self.stop_event.set()

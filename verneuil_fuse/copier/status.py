@@ -167,10 +167,13 @@ def db_status(db: sp.DbDir, store=None, max_db_size: int = fmt.MAX_REPLICATED_DB
     stopped = info["stopped"]
     if stopped is not None and stopped["since"] is not None:
         ages.append(max(0.0, now - stopped["since"]))
+    # No snapshot at all yet (a WAL database, a spool directory the writer
+    # made before its first snapshot): never in sync, nothing to ship.
+    info["snapshotted"] = bool(manifests or info["ready"] or info["consuming"])
     if store is not None:
         ages += [e["age"] for e in manifests if e.get("in_store") != "current"]
-        in_sync = (not ages and staged_files == 0 and stopped is None
-                   and all(e.get("in_store") == "current" for e in manifests))
+        in_sync = bool(info["snapshotted"] and not ages and staged_files == 0 and stopped is None
+                       and all(e.get("in_store") == "current" for e in manifests))
         info["lag"] = 0.0 if in_sync else (max(ages) if ages else None)
         info["in_sync"] = in_sync
     else:

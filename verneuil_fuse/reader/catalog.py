@@ -239,8 +239,12 @@ class Catalog:
         manifest_cache: ManifestCache | None = None,
         decoded_limit: int = DECODED_MANIFESTS,
         extra_stats: Callable[[], dict] | None = None,
+        subdir: str = "",
     ):
         self.fetcher = fetcher
+        # The directory of the whole tree (/<host>/<path...>) this catalog
+        # shows as its root, as components; [] for the whole tree.
+        self.subdir = [p for p in subdir.split("/") if p]
         self.refresh_interval = refresh_interval
         self.prefetch = prefetch or PrefetchConfig()
         self.hydrate = hydrate
@@ -263,6 +267,11 @@ class Catalog:
         self.versions_seen = 0
         self.counts = dict.fromkeys(("loads", "unparks", "parks", "stale", "direct_lookups", "direct_found",
                                     "cache_dropped"), 0)
+        # Per database (manifest key), since the mount started: opens, and
+        # [reads, read bytes, preloaded bytes] of the versions no longer held
+        # (`_retire`); the stats add those of the versions held.
+        self._opens_total: dict[str, int] = {}
+        self._retired: dict[str, list[int]] = {}
         # Decoded versions, least recently used first (see `decoded_limit`).
         self._decoded: OrderedDict[int, Replica] = OrderedDict()
         # Loads under way, by inode: later lookups wait for the first.
@@ -415,6 +424,7 @@ class Catalog:
 
     def opened(self, replica: Replica) -> None:
         replica.opens += 1
+        self._opens_total[replica.key] = self._opens_total.get(replica.key, 0) + 1
         if replica.inode in self._decoded:
             self._decoded.move_to_end(replica.inode)
 
@@ -432,9 +442,20 @@ class Catalog:
         if node.lookups <= 0 and node.opens <= 0 and not self._is_current(node):
             if self.inodes.get(node.inode) is node:
                 del self.inodes[node.inode]
+                self._retire(node)
             self._decoded.pop(node.inode, None)
             if isinstance(node, Replica):
                 self.past.forget(node)
+
+    def _retire(self, node: Replica | Parked) -> None:
+        """A version leaves the catalog: its counters join its database's
+        running totals (`stats`' ``since_mount``), and start again from 0
+        should it come back (a past state held again)."""
+        total = self._retired.setdefault(node.key, [0, 0, 0])
+        total[0] += node.reads
+        total[1] += node.read_bytes
+        total[2] += node.preloaded
+        node.reads = node.read_bytes = node.preloaded = 0
 
     # ------------------------------------------------------- decoded versions
     def _keep_decoded(self, replica: Replica) -> None:
@@ -578,7 +599,10 @@ class Catalog:
             parts.append(node.name)
             node = node.parent
         parts.reverse()
-        if not parts or parts[0] == CONTROL_DIR or name.endswith(SQLITE_SIDE_FILES):
+        if (parts and parts[0] == CONTROL_DIR) or name.endswith(SQLITE_SIDE_FILES):
+            return None
+        parts = self.subdir + parts
+        if not parts:
             return None
         path = "/" + "/".join(parts[1:] + [name])
         key = key_of(parts[0], parts[1:] + [name])
@@ -619,15 +643,25 @@ class Catalog:
 
     # ----------------------------------------------------------------- refresh
     def _place(self, key: str) -> tuple[Directory, str] | None:
+        """The directory and name where `key` is shown, or None: outside
+        ``subdir`` (silently), or a key that cannot be shown (warned)."""
         where = display_path(key)
         if where is None:
+            if self.subdir:
+                return None
             other = self._mkdir(self._control, "other")
             return other, key
         host, parts = where
         if not parts:
             log.warning("manifest %s names no file; skipped", key)
             return None
-        d = self._mkdir(self.root, host)
+        parts = [host] + parts
+        if self.subdir:
+            n = len(self.subdir)
+            if parts[:n] != self.subdir or len(parts) == n or parts[n] == CONTROL_DIR:
+                return None
+            parts = parts[n:]
+        d = self.root
         for part in parts[:-1]:
             node = d.entries.get(part)
             if isinstance(node, DbEntry):
@@ -932,9 +966,15 @@ class Catalog:
         under hydration: a mount of 100,000 databases renders its stats in
         milliseconds, not seconds."""
         old_open: dict[str, int] = {}
+        held: dict[str, list[int]] = {}  # reads, read bytes, preloaded bytes of the versions held
         for node in self.inodes.values():
-            if isinstance(node, (Replica, Parked)) and not self._is_current(node):
-                old_open[node.key] = old_open.get(node.key, 0) + 1
+            if isinstance(node, (Replica, Parked)):
+                counts = held.setdefault(node.key, [0, 0, 0])
+                counts[0] += node.reads
+                counts[1] += node.read_bytes
+                counts[2] += node.preloaded
+                if not self._is_current(node):
+                    old_open[node.key] = old_open.get(node.key, 0) + 1
         dbs = {}
         for entry in self.entries.values():
             h = self._hydrations.get(entry.key)
@@ -945,6 +985,9 @@ class Catalog:
             else:  # known by name, or parked: counted in "catalog" only
                 continue
             d["old_versions_open"] = old_open.get(entry.key, 0)
+            totals = [a + b for a, b in zip(held.get(entry.key, (0, 0, 0)), self._retired.get(entry.key, (0, 0, 0)))]
+            d["since_mount"] = {"opens": self._opens_total.get(entry.key, 0), "reads": totals[0],
+                                "read_bytes": totals[1], "preloaded": totals[2]}
             if h is not None:
                 d["hydration"] = h.describe()
             dbs[d["path"]] = d
@@ -974,11 +1017,18 @@ class Catalog:
         return (json.dumps(self.stats(), indent=1, sort_keys=True) + "\n").encode()
 
     def render_metrics(self) -> bytes:
-        """`stats` in Prometheus' text format: one series per number, the
-        databases labelled by path, ``verneuil_mount_info`` naming the mount."""
+        """`stats` in Prometheus' text format (`metrics.MOUNT_SERIES`), the
+        databases labelled by host and source path; ``verneuil_mount_info``
+        names the mount, ``verneuil_mount_settings_info`` holds its settings."""
         stats = self.stats()
         mount = stats.get("mount", {})
-        info = {"version": __version__, "source": str(mount.get("source", "")),
-                "mountpoint": str(mount.get("mountpoint", ""))}
-        return metrics.render(metrics.families("verneuil", stats, metrics.MOUNT_GAUGES,
-                                               {"databases": "path"}, ("mount", info)))
+        info = {"version": __version__, "source": mount.get("source"), "mountpoint": mount.get("mountpoint"),
+                "pid": mount.get("pid"), "cache_dir": mount.get("cache_dir")}
+        store = stats["fetch"]["store"]
+        settings = {"refresh_interval_seconds": self.refresh_interval, "deadline_seconds": store["deadline"],
+                    "max_db_size_bytes": store["max_db_size"], "decoded_limit": self.decoded_limit,
+                    "disk_cache_limit_bytes": stats["fetch"].get("disk_cache", {}).get("limit", 0)}
+        labels = {"databases": lambda path, d: metrics.database_labels(d.get("key", ""), path)}
+        return metrics.render([metrics.info_family("verneuil_mount_info", "what this mount is", info),
+                               metrics.info_family("verneuil_mount_settings_info", "the mount's settings", settings)]
+                              + metrics.families(stats, metrics.MOUNT_SERIES, labels))
