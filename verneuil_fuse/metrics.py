@@ -24,11 +24,13 @@ from __future__ import annotations
 import re
 from typing import Iterable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily,
+                                   Metric)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
-__all__ = ["CONTENT_TYPE_LATEST", "MOUNT_GAUGES", "COPIER_GAUGES", "StatsCollector", "render", "families"]
+__all__ = ["CONTENT_TYPE_LATEST", "MOUNT_GAUGES", "COPIER_GAUGES", "Histogram", "StatsCollector", "render", "families",
+           "histogram_family"]
 
 # Paths (dots between keys; a labelled dict's key left out) whose value can
 # go down: sizes, states, settings, times.  Every other number is a counter.
@@ -42,7 +44,9 @@ MOUNT_GAUGES = frozenset({
     "mount.pid", "mount.ready",
     "databases.len", "databases.chunks", "databases.inode", "databases.mtime_ns",
     "databases.opens", "databases.preloaded", "databases.btree_pages_known",
-    "databases.old_versions_open",
+    "databases.old_versions_open", "databases.newest_age_s", "databases.handles", "databases.handles_behind",
+    "databases.served", "databases.oldest_served_age_s",
+    "follow.enabled", "follow.interval", "follow.followers", "follow.watched",
     "databases.hydration.chunks", "databases.hydration.fetched", "databases.hydration.failed",
 })
 COPIER_GAUGES = frozenset({
@@ -110,6 +114,43 @@ def families(prefix: str, stats: dict, gauges: frozenset[str],
         result.append(family)
     result.extend(out.values())
     return result
+
+
+class Histogram:
+    """Observations counted in buckets by upper bound, for a Prometheus
+    histogram (`histogram_family`); kept as counts, not samples, so its
+    size does not grow with what it counts."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = tuple(sorted(bounds))
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        i = 0
+        while i < len(self.bounds) and value > self.bounds[i]:
+            i += 1
+        self.counts[i] += 1
+        self.count += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """(le, observations at or below it) for every bound, then +Inf."""
+        out, total = [], 0
+        for bound, n in zip(self.bounds + (float("inf"),), self.counts):
+            total += n
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(total)))
+        return out
+
+
+def histogram_family(name: str, doc: str, label: str, histograms: dict[str, Histogram]) -> Metric:
+    """One histogram family ``name``, a series per entry of `histograms`
+    labelled ``label=<its key>``."""
+    family = HistogramMetricFamily(name, doc, labels=[label])
+    for value, h in sorted(histograms.items()):
+        family.add_metric([value], h.cumulative(), h.sum)
+    return family
 
 
 class StatsCollector(Collector):

@@ -10,7 +10,7 @@ This package owns every access to blob storage; boto3 is imported only here
 - `parse_config(spec) -> dict`: the same spec as a Verneuil-shaped config dict,
   for modules that need other keys (``replication_spooling_dir``, ...).
 - `Store` (``chunks``, ``manifests``, ``url``), the `Backend` protocol,
-  `ObjectInfo`, `VersionInfo`, and the errors: `StoreError` > `NotFound`,
+  `ObjectInfo`, `VersionInfo`, `Tagged`, and the errors: `StoreError` > `NotFound`,
   `BucketNotFound`, `AccessDenied`, `TransientError`, `TooLarge`,
   `InvalidKey`, `ConfigError`.
 - Implementations: `LocalBackend` (here) and `S3Backend` / `make_client`
@@ -31,6 +31,7 @@ from .base import (
     ObjectInfo,
     Store,
     StoreError,
+    Tagged,
     TooLarge,
     TransientError,
     VersionInfo,
@@ -53,6 +54,7 @@ __all__ = [
     "S3Backend",
     "Store",
     "StoreError",
+    "Tagged",
     "TooLarge",
     "TransientError",
     "VersionInfo",
