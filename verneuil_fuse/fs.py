@@ -66,6 +66,9 @@ STORE_ERRNO = errno.EREMOTEIO
 # (a manifest is written by whoever can write the store) would raise inside
 # the handler instead of answering.
 MAX_TIME_NS = (1 << 63) - 1
+# What SQLite appends to a database's name for its rollback journal, whose
+# existence it checks at every read transaction's start (with ``stat``).
+JOURNAL_SUFFIX = "-journal"
 MAX_SIZE = (1 << 63) - 1
 
 _F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
@@ -159,6 +162,14 @@ class VerneuilFS(pyfuse3.Operations):
         entry = self._live_entry(node) if self.followers is not None else None
         return node if entry is None else self.followers.acquire(entry, tid)
 
+    def _transaction_starts(self, parent_inode: int, name: str) -> None:
+        """SQLite looks for ``name``'s hot journal: one of its connections
+        starts a read transaction (`Followers.transaction_starts`)."""
+        parent = self.catalog.get(parent_inode)
+        entry = parent.entries.get(name) if isinstance(parent, Directory) else None
+        if isinstance(entry, DbEntry):
+            self.followers.transaction_starts(entry)
+
     def _remember(self, node: Any) -> None:
         if isinstance(node, Follower):
             self.followers.remember(node)
@@ -232,6 +243,8 @@ class VerneuilFS(pyfuse3.Operations):
             node = self._node(parent_inode)
             node = node.parent or node if isinstance(node, Directory) else node
         else:
+            if self.followers is not None and text.endswith(JOURNAL_SUFFIX):
+                self._transaction_starts(parent_inode, text[: -len(JOURNAL_SUFFIX)])
             try:
                 node = await self.catalog.lookup(parent_inode, text)
                 if node is None and "@" in text:

@@ -30,26 +30,31 @@ cache is per inode, so a handle that moves needs an inode of its own.
   that read goes on. `told` says whether the kernel was given the current
   generation's attributes since it began (the drop has happened).
 - **A new version arrives** (`new_version`, from the catalog's install
-  path): a follower with no handle moves to it (a new generation); one whose
-  handle reads an older version keeps serving that version to the handle (it
-  may be inside a transaction) and starts a new generation of the same
-  version: its pages are dropped at the handle's next read(), so that its
-  next transaction-start read of the counter reaches the mount.
-- **A READ at offset 0** while a newer version exists moves the handle to
-  the newest version (`read_version`, `switch`) when the page cache holds
-  nothing of the old version (`told`, and no READ answered since the drop,
-  ``dirty``), then starts a new generation: the kernel drops the pages at
-  the next read() or fstat, before any other page is read. READs at other
-  offsets never move a handle; every READ is answered from one version.
-- **Eager drops.** A READ at offset 0 that finds pages of the old version
-  cached since the drop (read after it, e.g. by a transaction under way
-  when the version arrived) does not move the handle: a program other than
-  SQLite could read offset 0 and those pages in one read(2) and get two
-  versions in one buffer. The follower turns eager instead: every READ it
-  answers starts a new generation, so each read(2) begins with a drop, and
-  the next transaction start finds a clean cache and moves. Such a
-  transaction reads through the mount (no kernel readahead survives a
-  drop); it is at most one per version per connection.
+  path): a follower with no handle moves to it (a new generation). One whose
+  handle reads an older version is *behind*: it keeps serving that version
+  to the handle, which may be inside a transaction, with its page cache.
+- **Transaction starts.** SQLite (``mode=ro``, rollback journal) checks for
+  a hot journal at the start of every read transaction, a ``stat`` of
+  ``<database>-journal`` that reaches the mount as a LOOKUP, just before it
+  reads the change counter (`transaction_starts`). The followers of that
+  database that are behind are then *armed* for `ARM_SECONDS`, and those
+  whose page cache may hold pages of their version start a new generation of
+  that version: the counter read that follows drops their pages first, and
+  its READ at offset 0 reaches the mount.
+- **A READ at offset 0** of a follower that is behind and armed, with a page
+  cache that holds nothing of its version (``told`` and no READ answered
+  since the drop, ``dirty``), moves the handle to the newest version
+  (`read_version`, `switch`) and starts a new generation: the kernel drops
+  the pages at the next read() or fstat, before any other page is read (for
+  SQLite, its fstat right after the counter read). Every READ is answered
+  from one version; READs at other offsets never move a handle.
+- **What does not move**: a handle never armed (no transaction start seen:
+  ``immutable=1`` connections, which never re-read the counter and trust
+  their own cache; `cat`, `dd`, any reader that is not SQLite), so it keeps
+  today's pinned version and page cache. A READ at offset 0 that finds pages
+  of the old version cached since the drop does not move either: a reader
+  could get offset 0 and those pages in one read(2), two versions in one
+  buffer; the next transaction start drops them first.
 - **Preload**: a follower's page cache is its own, so the bundled chunks
   of a version are stored in it (`opened` says when) at the open of a
   follower whose generation's attributes the kernel has (never inside a
@@ -70,6 +75,12 @@ from verneuil_fuse.reader.replica import Replica
 
 log = logging.getLogger(__name__)
 
+# How long a transaction start (a LOOKUP of ``<database>-journal``) arms
+# the followers of that database that are behind: SQLite reads the change
+# counter microseconds after that stat, in the same thread; a second covers
+# a loaded machine, and a follower armed by another connection's start
+# moves only at a READ at offset 0 with a clean page cache anyway.
+ARM_SECONDS = 1.0
 # How long a follower handed out by a lookup is kept for the thread that
 # looked it up: the kernel's retry of an open answered ESTALE is two LOOKUPs
 # and an OPEN from one thread within microseconds; 2 s covers a loaded
@@ -91,10 +102,9 @@ class Follower:
     reserved_for: int | None = None  # thread id of the lookup it was handed to
     reserved_until: float = 0.0
     last_used: float = 0.0
-    drop_for: int = 0  # newest version's inode a drop generation was started for
+    armed_until: float = 0.0  # a transaction start was seen (see the module docstring)
     told: bool = False  # the kernel was given this generation's attributes
     dirty: bool = True  # pages of the handle's version may be cached since the last drop
-    eager: bool = False  # every READ starts a new generation (see the module docstring)
     preloaded: bool = False  # the bundled chunks were stored in this generation
 
     @property
@@ -120,7 +130,7 @@ class Followers:
         # Invalidates an inode's attributes in the kernel (`fs` sets it).
         self.invalidate_attrs: Callable[[int], None] = lambda inode: None
         self._by_key: dict[str, list[Follower]] = {}
-        self.counts = dict.fromkeys(("created", "estale", "switches", "eager", "generations"), 0)
+        self.counts = dict.fromkeys(("created", "estale", "switches", "transaction_starts", "generations"), 0)
         catalog.on_new_version = self.new_version
 
     # ----------------------------------------------------------------- lookup
@@ -182,18 +192,11 @@ class Followers:
         return f.size, f.mtime_ns
 
     def _sync(self, f: Follower) -> None:
-        """Bring the generation up to date with the database's newest
-        version: a follower with no handle moves to it; one whose handle is
-        behind starts a drop generation once for it."""
+        """A follower with no handle moves to its database's newest version
+        (a new generation); one with a handle keeps its generation."""
         newest = self.newest(f)
-        if newest is None:
-            return
-        if f.replica is None:
-            if newest.inode != f.gen_ino:
-                self._new_generation(f, newest)
-        elif newest.inode != f.replica.inode and newest.inode != f.drop_for:
-            f.drop_for = newest.inode
-            self._new_generation(f, f.replica)
+        if newest is not None and f.replica is None and newest.inode != f.gen_ino:
+            self._new_generation(f, newest)
 
     def _new_generation(self, f: Follower, version: Version) -> None:
         f.gen_ino, f.size = version.inode, version.size
@@ -205,9 +208,26 @@ class Followers:
 
     def new_version(self, entry: DbEntry) -> None:
         """The catalog installed a new version of ``entry``."""
-        for f in list(self._by_key.get(entry.key, ())):
-            if f.entry is entry:
-                self._sync(f)
+        for f in self._mine(entry):
+            self._sync(f)
+
+    def transaction_starts(self, entry: DbEntry) -> None:
+        """A LOOKUP of ``<entry's name>-journal``: a SQLite connection of
+        this database starts a read transaction. Its followers that are
+        behind are armed, and get their pages dropped at their next read()
+        unless that already happens (see the module docstring)."""
+        self.counts["transaction_starts"] += 1
+        until = self.clock() + ARM_SECONDS
+        for f in self._mine(entry):
+            newest = self.newest(f)
+            if f.replica is None or newest is None or newest.inode == f.replica.inode:
+                continue
+            f.armed_until = until
+            if f.told and f.dirty:
+                self._new_generation(f, f.replica)
+
+    def _mine(self, entry: DbEntry) -> list[Follower]:
+        return [f for f in self._by_key.get(entry.key, ()) if f.entry is entry]
 
     # ------------------------------------------------------------ open/close
     def may_open(self, f: Follower, tid: int) -> bool:
@@ -240,20 +260,20 @@ class Followers:
         chunks are to be stored in the page cache now (once per generation,
         and only once the kernel has the generation's attributes)."""
         f.replica, f.reserved_for, f.reserved_until = replica, None, 0.0
-        f.last_used = self.clock()
-        f.eager, f.drop_for = False, 0
+        f.last_used, f.armed_until = self.clock(), 0.0
         self.catalog.opened(replica)
         if f.gen_ino != replica.inode:
             self._new_generation(f, replica)
         else:
             self._sync(f)
         preload = f.told and not f.preloaded
-        f.preloaded = f.preloaded or preload
+        if preload:  # pages of this version in the cache from now on
+            f.preloaded = f.dirty = True
         return preload
 
     def released(self, f: Follower) -> None:
         replica, f.replica = f.replica, None
-        f.eager, f.drop_for, f.last_used = False, 0, self.clock()
+        f.last_used, f.armed_until = self.clock(), 0.0
         if replica is not None:
             self.catalog.released(replica)
         self._sync(f)
@@ -262,27 +282,21 @@ class Followers:
     # ------------------------------------------------------------------ reads
     def read_version(self, f: Follower, off: int) -> tuple[Replica, Version | None]:
         """The version a READ of ``f``'s handle at ``off`` is answered from,
-        and the version to move to first (or None): only at offset 0, and
-        only with a clean page cache (see the module docstring)."""
+        and the version to move to first (or None): only at offset 0, armed,
+        with a clean page cache (see the module docstring)."""
         current = f.replica
         assert current is not None, "a READ without an open handle"
         newest = self.newest(f)
-        if newest is None or newest.inode == current.inode:
-            f.eager = False
-        elif off == 0 and f.told and not f.dirty:
+        if (off == 0 and newest is not None and newest.inode != current.inode and f.told and not f.dirty
+                and f.armed_until > self.clock()):
             return current, newest
-        elif off == 0 and not f.eager:
-            f.eager = True
-            self.counts["eager"] += 1
         self.touched(f)
         return current, None
 
     def touched(self, f: Follower) -> None:
-        """A READ is answered from the handle's version without a move:
-        its pages may be cached (eager: drop them at the next read())."""
+        """A READ is answered from the handle's version without a move: its
+        pages may be cached."""
         f.dirty = True
-        if f.eager and f.replica is not None:
-            self._new_generation(f, f.replica)
 
     def still_clean(self, f: Follower, current: Replica) -> bool:
         """After an await: whether ``f`` may still move from ``current``."""
@@ -295,7 +309,7 @@ class Followers:
         self.catalog.opened(replica)
         if old is not None:
             self.catalog.released(old)
-        f.eager, f.drop_for = False, 0
+        f.armed_until = 0.0
         self._new_generation(f, replica)
         f.dirty = True  # this READ's pages, until the drop
         self.counts["switches"] += 1
