@@ -1,5 +1,5 @@
 """A writer for the follow tests and benchmark (run as a script, one
-process): commits through the verneuil VFS at a steady rate and prints one
+process), and the readers that check what it wrote: it commits through the verneuil VFS at a steady rate and prints one
 line per commit, ``<n> <time.time() after COMMIT>``, flushed.
 
 Each commit inserts row ``n`` into ``t(id, at)`` and moves a random amount
@@ -9,6 +9,10 @@ in ``t`` and a zero sum. Stops after ``--commits`` commits or ``--seconds``,
 whichever comes first, or at SIGTERM.
 
     python tests/support/follow_writer.py --spool DIR --db PATH --rate 50 --seconds 120
+
+`WriterProc` runs it from Python and collects the commit times;
+`invariant_reader` checks, in a thread, that each read transaction of a
+long-lived connection sees one committed state and that they move forward.
 """
 from __future__ import annotations
 
@@ -17,10 +21,80 @@ import os
 import random
 import signal
 import sqlite3
+import subprocess
 import sys
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class WriterProc:
+    """This script in a process of its own; its commit times, read from its
+    stdout by a thread (for tests and benchmarks)."""
+
+    def __init__(self, spool: str, db: str, rate: float, *, commits: int = 1 << 30, seconds: float = 3600.0):
+        self.commits: dict[int, float] = {}
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--spool", spool, "--db", db, "--rate", str(rate),
+             "--commits", str(commits), "--seconds", str(seconds)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            n, at = line.split()
+            self.commits[int(n)] = float(at)
+
+    def wait(self, timeout: float) -> None:
+        self.proc.wait(timeout=timeout)
+        self._reader.join(5)
+        assert self.proc.returncode == 0, self.proc.stderr.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def invariant_reader(path: str, stop: threading.Event, out: dict, errors: list, seed: int) -> None:
+    """The readers of the writer's database (a thread each): multi-statement
+    read transactions on a long-lived connection until ``stop``; every one must see
+    one committed state (max(id) twice, count(*), a zero sum of balances);
+    the states it sees must never go back."""
+    rng = random.Random(seed)
+    con = sqlite3.connect("file:%s?mode=ro" % path, uri=True, isolation_level=None)
+    states = []
+    try:
+        while not stop.is_set():
+            con.execute("BEGIN")
+            (m1,) = con.execute("SELECT max(id) FROM t").fetchone()
+            (total, accounts) = con.execute("SELECT sum(amount), count(*) FROM balance").fetchone()
+            time.sleep(rng.random() * 0.03)  # new versions land meanwhile
+            (m2, count) = con.execute("SELECT max(id), count(*) FROM t").fetchone()
+            con.execute("COMMIT")
+            if not (m1 == m2 == count and total == 0 and accounts > 0):
+                errors.append("reader %d: max %s then %s, count %s, sum %s" % (seed, m1, m2, count, total))
+                return
+            if states and m1 < states[-1]:
+                errors.append("reader %d went back from %d to %d" % (seed, states[-1], m1))
+                return
+            states.append(m1)
+            if len(states) % 50 == 0:
+                (check,) = con.execute("PRAGMA integrity_check").fetchone()
+                if check != "ok":
+                    errors.append("reader %d: integrity_check: %s" % (seed, check))
+                    return
+    except sqlite3.Error as e:
+        errors.append("reader %d: %s" % (seed, e))
+    finally:
+        con.close()
+        out[seed] = states
 
 
 def main(argv=None) -> int:

@@ -88,6 +88,11 @@ ARM_SECONDS = 1.0
 RESERVE_SECONDS = 2.0
 
 
+# Threads remembered as just refused an open (`Followers.may_open`) before
+# the expired ones are pruned: a burst of concurrent opens, not a leak.
+MAX_REFUSED = 1024
+
+
 @dataclass(slots=True, eq=False)
 class Follower:
     """An inode of a live database name (see the module docstring)."""
@@ -130,6 +135,9 @@ class Followers:
         # Invalidates an inode's attributes in the kernel (`fs` sets it).
         self.invalidate_attrs: Callable[[int], None] = lambda inode: None
         self._by_key: dict[str, list[Follower]] = {}
+        # Threads whose open was just refused (ESTALE), until when: their
+        # next lookup is the kernel's retry.
+        self._refused: dict[int, float] = {}
         self.counts = dict.fromkeys(("created", "estale", "switches", "transaction_starts", "generations"), 0)
         catalog.on_new_version = self.new_version
 
@@ -142,15 +150,30 @@ class Followers:
 
     def acquire(self, entry: DbEntry, tid: int | None) -> Follower:
         """The follower a lookup (``tid``: the caller's thread) or a
-        readdir (None) of ``entry``'s name gets; ``entry.current`` is set."""
+        readdir (None) of ``entry``'s name gets; ``entry.current`` is set.
+
+        A free one (no handle, not kept for another thread), the most
+        recently used first; else, unless this thread's open was just
+        refused (the kernel's retry must get one it can open), the most
+        recently used one whose handle reads the newest version (an open
+        through it may well find it free: programs that open a database for
+        each query keep one follower and its page cache); else a new one."""
         now = self.clock()
-        mine = [f for f in self._by_key.get(entry.key, ()) if f.entry is entry and f.replica is None]
+        mine = self._mine(entry)
         chosen = None
         if tid is not None:
-            chosen = next((f for f in mine if f.reserved_for == tid and f.reserved_until > now), None)
+            chosen = next((f for f in mine if f.replica is None and f.reserved_for == tid
+                           and f.reserved_until > now), None)
         if chosen is None:
-            free = [f for f in mine if f.reserved_until <= now or f.reserved_for == tid]
+            free = [f for f in mine if f.replica is None and (f.reserved_until <= now or f.reserved_for == tid)]
             chosen = max(free, key=lambda f: f.last_used, default=None)
+        refused = tid is not None and self._refused.get(tid, 0.0) > now
+        if chosen is None and not refused:
+            newest = entry.current
+            busy = [f for f in mine if f.replica is not None and newest is not None and f.replica.inode == newest.inode]
+            chosen = max(busy, key=lambda f: f.last_used, default=None)
+            if chosen is not None:
+                return chosen
         if chosen is None:
             chosen = self._create(entry)
         if tid is not None:
@@ -233,10 +256,14 @@ class Followers:
     def may_open(self, f: Follower, tid: int) -> bool:
         """Whether ``tid`` may open ``f`` now; otherwise the mount answers
         ESTALE and the kernel looks the name up again (another follower)."""
+        now = self.clock()
         ok = (f.replica is None and self.newest(f) is not None
-              and (f.reserved_for in (None, tid) or f.reserved_until <= self.clock()))
+              and (f.reserved_for in (None, tid) or f.reserved_until <= now))
         if not ok:
             self.counts["estale"] += 1
+            if len(self._refused) > MAX_REFUSED:
+                self._refused = {t: until for t, until in self._refused.items() if until > now}
+            self._refused[tid] = now + self.reserve_seconds
         return ok
 
     async def newest_decoded(self, f: Follower) -> Replica | None:
