@@ -195,7 +195,7 @@ def test_sixteen_readers_see_one_committed_state(rig):
     """16 long-lived connections run multi-statement read transactions
     while the writer commits 50 times a second: each transaction sees one
     committed state (no mix, no "malformed", integrity_check ok), and each
-    connection's view moves forward."""
+    connection's view moves forward, to the last commit."""
     db = os.path.join(rig.src, "bank.db")
     WriterProc(rig.spool, db, 50.0, commits=1).wait(30)
     path = rig.live_path("bank.db")
@@ -209,7 +209,9 @@ def test_sixteen_readers_see_one_committed_state(rig):
         for t in threads:
             t.start()
         writer.wait(TORTURE_SECONDS + 60)
-        time.sleep(2)  # the last versions reach the readers
+        last = max(writer.commits)
+        wait_for(lambda: errors or all(s and s[-1] == last for s in out.values()), 60,
+                 "every reader to see the last commit")
     finally:
         stop.set()
         for t in threads:
@@ -218,10 +220,8 @@ def test_sixteen_readers_see_one_committed_state(rig):
     assert not any(t.is_alive() for t in threads)
     assert errors == []
     assert len(writer.commits) >= TORTURE_SECONDS * 50 * 0.5, len(writer.commits)
-    last = max(writer.commits)
     for seed, states in out.items():
         assert len(set(states)) >= 3, (seed, states[:5])  # it moved, more than once
-        assert states[-1] >= last - 50 * VISIBLE_WITHIN_S, (seed, states[-1], last)
     stats = rig.mount.stats()
     assert stats["mount"]["read_errors"] == 0 and stats["follow"]["switches"] >= 16
 

@@ -66,10 +66,12 @@ def invariant_reader(path: str, stop: threading.Event, out: dict, errors: list, 
     """The readers of the writer's database (a thread each): multi-statement
     read transactions on a long-lived connection until ``stop``; every one must see
     one committed state (max(id) twice, count(*), a zero sum of balances);
-    the states it sees must never go back."""
+    the states it sees (``out[seed]``, appended as it goes) must never go
+    back."""
     rng = random.Random(seed)
     con = sqlite3.connect("file:%s?mode=ro" % path, uri=True, isolation_level=None)
-    states = []
+    states: list[int] = []
+    out[seed] = states  # the states seen so far, live
     try:
         while not stop.is_set():
             con.execute("BEGIN")
@@ -94,7 +96,6 @@ def invariant_reader(path: str, stop: threading.Event, out: dict, errors: list, 
         errors.append("reader %d: %s" % (seed, e))
     finally:
         con.close()
-        out[seed] = states
 
 
 def main(argv=None) -> int:
