@@ -262,6 +262,7 @@ def hot(work: str, rounds: int, size_mb: int) -> dict:
     out: dict = {"db_bytes": os.path.getsize(src), "rounds": rounds}
     for mode, figures in samples.items():
         out["follow_" + mode] = {k: round(statistics.median(v), 4) for k, v in figures.items()}
+        out["follow_%s_all" % mode] = {k: [round(x, 4) for x in v] for k, v in figures.items() if k.endswith("_s")}
     return out
 
 
@@ -296,12 +297,12 @@ def main(argv=None) -> int:
                 results[phase] = hot(where, a.rounds, a.size_mb)
             results[phase]["phase_seconds"] = round(time.monotonic() - start, 1)
             print(json.dumps({phase: results[phase]}, indent=1), flush=True)
-    finally:
         results["loadavg_end"] = os.getloadavg()[0]
+        if a.json:
+            with open(a.json, "w") as out:
+                json.dump(results, out, indent=1)
+    finally:
         shutil.rmtree(work, ignore_errors=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
     return 0
 
 

@@ -292,6 +292,14 @@ def test_a_long_lived_connection_follows(env):
         follow = env.mount.stats()["follow"]
         assert follow["switches"] >= 2 and follow["new_versions"] >= 2, follow
         wait_for(lambda: env.mount.stats()["follow"]["not_modified"] > follow["not_modified"], 10, "a 304")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with open(env.mount.path(".verneuil", "metrics")) as f:
+        families = {fam.name: fam for fam in text_string_to_metric_families(f.read())}
+    lag = families["verneuil_follow_lag_seconds"]
+    assert lag.type == "histogram"
+    counts = {s.labels["event"]: s.value for s in lag.samples if s.name.endswith("_count")}
+    assert counts["switched"] >= 2 and counts["visible"] >= 2, counts
 
 
 def test_removed_database_disappears(env):

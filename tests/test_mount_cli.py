@@ -12,6 +12,7 @@ import time
 import pytest
 
 from verneuil_fuse import mount
+from verneuil_fuse.errors import UserError
 
 
 def run(*args, timeout=60):
@@ -23,7 +24,7 @@ def test_help_lists_own_options():
     out = run("--help")
     assert out.returncode == 0
     for name in ("cache_dir=", "cache_size=", "refresh=", "readahead_max=", "cache_readahead_max=", "btree_prefetch=",
-                 "concurrency=", "hydrate", "allow_other", "deadline=", "max_db_size="):
+                 "concurrency=", "hydrate", "allow_other", "deadline=", "max_db_size=", "follow=", "follow_interval="):
         assert name in out.stdout
 
 
@@ -105,6 +106,14 @@ def test_option_parsing():
     assert set(opts.fuse) == {"ro", "allow_other", "dev", "suid", "default_permissions",
                               "fsname=s", "subtype=verneuil"}
     assert mount.parse_size("64M") == 64 << 20 and mount.parse_size("100") == 100
+    defaults = mount.parse_args(["s", "m"])
+    assert defaults.follow and defaults.follow_interval == 0.5
+    opts = mount.parse_args(["s", "m", "-o", "follow=off,follow_interval=0"])
+    assert not opts.follow and opts.follow_interval == 0
+    for bad in ("follow=maybe", "follow_interval=-1", "follow_interval=soon"):
+        with pytest.raises(UserError) as e:
+            mount.parse_args(["s", "m", "-o", bad])
+        assert bad.split("=")[0] in str(e.value)
 
 
 # ------------------------------------------- profile=, credentials_file=, start_retry=

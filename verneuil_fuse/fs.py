@@ -345,14 +345,7 @@ class VerneuilFS(pyfuse3.Operations):
         if isinstance(node, StatsFile):
             self._handles[fh] = _Handle(node, data=node.render())
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
-        try:
-            node = await self.catalog.decoded(node)
-        except Stale as e:
-            log.info("open: %s", e)
-            raise pyfuse3.FUSEError(errno.ESTALE) from None
-        except FetchError as e:
-            log.error("open of inode %d: %s", inode, e)
-            raise pyfuse3.FUSEError(STORE_ERRNO) from None
+        node = await self._decoded_for_open(self.catalog.decoded(node), "inode %d" % inode)
         if not isinstance(node, Replica):
             raise pyfuse3.FUSEError(errno.ENOENT)
         if node.inode != inode:  # a newer version replaced what this inode named
@@ -362,19 +355,26 @@ class VerneuilFS(pyfuse3.Operations):
         self._preload(inode, node, node.take_preload() if self.preload else [])
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
+    @staticmethod
+    async def _decoded_for_open(decoding: Awaitable[Any], what: str) -> Any:
+        """The version an open reads (``decoding`` it); a version the store
+        no longer has is ESTALE (the kernel looks the name up again), a
+        store failure EREMOTEIO."""
+        try:
+            return await decoding
+        except Stale as e:
+            log.info("open: %s", e)
+            raise pyfuse3.FUSEError(errno.ESTALE) from None
+        except FetchError as e:
+            log.error("open of %s: %s", what, e)
+            raise pyfuse3.FUSEError(STORE_ERRNO) from None
+
     async def _open_follower(self, f: Follower, tid: int) -> pyfuse3.FileInfo:
         """Open a follower (`Followers.may_open`, else ESTALE) on its
         database's newest version."""
         if not self.followers.may_open(f, tid):
             raise pyfuse3.FUSEError(errno.ESTALE)
-        try:
-            replica = await self.followers.newest_decoded(f)
-        except Stale as e:
-            log.info("open: %s", e)
-            raise pyfuse3.FUSEError(errno.ESTALE) from None
-        except FetchError as e:
-            log.error("open of %s: %s", f.path, e)
-            raise pyfuse3.FUSEError(STORE_ERRNO) from None
+        replica = await self._decoded_for_open(self.followers.newest_decoded(f), f.path)
         if replica is None or not self.followers.may_open(f, tid):  # gone, or taken while it was read
             raise pyfuse3.FUSEError(errno.ESTALE)
         preload = self.followers.opened(f, replica)

@@ -209,24 +209,28 @@ class Followers:
     def attributes(self, f: Follower) -> tuple[int, int]:
         """(size, mtime_ns) to answer the kernel; the kernel is then told
         the current generation (it drops the pages of the one before)."""
-        self._sync(f)
+        self._sync(f, notify=False)  # these attributes are the news
         if not f.told:
             f.told, f.dirty = True, False
         return f.size, f.mtime_ns
 
-    def _sync(self, f: Follower) -> None:
+    def _sync(self, f: Follower, notify: bool = True) -> None:
         """A follower with no handle moves to its database's newest version
         (a new generation); one with a handle keeps its generation."""
         newest = self.newest(f)
         if newest is not None and f.replica is None and newest.inode != f.gen_ino:
-            self._new_generation(f, newest)
+            self._new_generation(f, newest, notify)
 
-    def _new_generation(self, f: Follower, version: Version) -> None:
+    def _new_generation(self, f: Follower, version: Version, notify: bool = True) -> None:
+        """Pages cached for ``f`` until now are to be dropped: new
+        attributes, which the kernel is told to ask for (``notify``; not
+        when they are being answered: an invalidation while a GETATTR is
+        under way makes the kernel drop that answer)."""
         f.gen_ino, f.size = version.inode, version.size
         f.mtime_ns = max(version.mtime_ns, f.mtime_ns + 1)
         f.told = f.preloaded = False
         self.counts["generations"] += 1
-        if f.lookups > 0 or f.replica is not None:
+        if notify and (f.lookups > 0 or f.replica is not None):
             self.invalidate_attrs(f.inode)
 
     def new_version(self, entry: DbEntry) -> None:

@@ -208,6 +208,16 @@ ENGINE_RETRY_BACKOFF = 0.05
 ENGINE_RETRY_CAP = 20.0
 
 
+def _answer_of(err: StoreError) -> tuple[str, Any]:
+    """The S3 error code and HTTP status of the answer behind ``err``
+    (("", None) when it was no S3 answer)."""
+    cause = err.__cause__
+    if not isinstance(cause, botocore.exceptions.ClientError):
+        return "", None
+    return (str(cause.response.get("Error", {}).get("Code", "")),
+            cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
+
+
 class _Redirected:
     """An engine answer that boto3 must serve instead."""
 
@@ -730,12 +740,9 @@ class S3Backend:
         try:
             response = self._call("get", key, self.client.get_object, **kwargs)
         except StoreError as err:
-            cause = err.__cause__
-            if isinstance(cause, botocore.exceptions.ClientError):
-                code = str(cause.response.get("Error", {}).get("Code", ""))
-                status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                if code in NOT_MODIFIED_CODES or status == 304:
-                    return None
+            code, status = _answer_of(err)
+            if code in NOT_MODIFIED_CODES or status == 304:
+                return None
             raise
         data = self._read_body("get", key, response, max_bytes)
         return Tagged(data, str(response.get("ETag") or ""))
@@ -804,12 +811,9 @@ class S3Backend:
         try:
             self._write("put", key, self.client.put_object, Key=full, Body=data, IfNoneMatch="*")
         except StoreError as err:
-            cause = err.__cause__
-            if isinstance(cause, botocore.exceptions.ClientError):
-                code = str(cause.response.get("Error", {}).get("Code", ""))
-                status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                if code in PRECONDITION_CODES or status == 412:
-                    return False
+            code, status = _answer_of(err)
+            if code in PRECONDITION_CODES or status == 412:
+                return False
             raise
         logger.debug("put_if_absent %s (%d bytes)", self._where(key), len(data))
         return True
