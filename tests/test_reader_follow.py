@@ -159,3 +159,37 @@ def test_a_handle_moves_at_offset_0_after_a_transaction_start(local_store, monke
         assert t.catalog.lag["switched"].count == 2 and t.catalog.lag["visible"].count == 2
 
     run(local_store, go)
+
+
+def test_the_follow_loop_checks_databases_in_use(local_store):
+    """`Watch`: a database opened is checked each pass, whole the first
+    time, then with its tag (unchanged: nothing read); a new version is
+    installed; a manifest that does not decode is logged, never a reason
+    to take the database out of the tree; a database never opened is not
+    checked."""
+    from verneuil_fuse.format import manifest_name
+    from verneuil_fuse.reader.watch import Watch
+
+    publish(local_store, os.urandom(CHUNK_SIZE), "/a.db", hostname="h")
+    publish(local_store, os.urandom(CHUNK_SIZE), "/b.db", hostname="h")
+
+    async def go(t):
+        watch = Watch(t.catalog)
+        a = t.catalog.entries[manifest_name("/a.db", "h")]
+        replica = await t.catalog.decoded(a)
+        t.catalog.opened(replica)
+        t.catalog.released(replica)
+        await watch.check_once()
+        await watch.check_once()
+        assert (watch.watched, watch.counts["bodies"], watch.counts["not_modified"]) == (1, 1, 1)
+        new = os.urandom(2 * CHUNK_SIZE)
+        publish(local_store, new, "/a.db", hostname="h")
+        await watch.check_once()
+        assert watch.counts["new_versions"] == 1 and a.current.size == len(new)
+        a.current = None  # as a listing that changed leaves a database it had parked
+        local_store.manifests.put(a.key, b"not a manifest")
+        await watch.check_once()
+        assert t.catalog.entries.get(a.key) is a and t.catalog.poll_errors == 1
+        assert watch.stats(t.followers)["checks"] == 4
+
+    run(local_store, go)

@@ -13,9 +13,10 @@ cache is per inode, so a handle that moves needs an inode of its own.
 - **A follower** is an inode of a live name (``app.db``, not ``app.db@T``)
   that reads one version (a `Replica`) at a time. `acquire` (lookup,
   readdir) hands out a follower with no open handle, the most recently used
-  (its page cache is hot: short-lived readers one after another keep
-  today's speed), else a new one, and reserves it for the looking-up thread
-  for `RESERVE_SECONDS`. `may_open` refuses a follower that has a handle or
+  (its page cache is hot: short-lived readers one after another keep their
+  speed), else one whose handle reads the newest version (it may be free by
+  the time the path is opened), else a new one; a lookup reserves a free
+  one for the looking-up thread for `RESERVE_SECONDS`. `may_open` refuses a follower that has a handle or
   is reserved for another thread: the mount answers ESTALE, the kernel walks
   the path again with a fresh lookup (LOOKUP_REVAL) and opens another
   follower, so concurrent opens get inodes of their own and nobody sees
@@ -45,13 +46,13 @@ cache is per inode, so a handle that moves needs an inode of its own.
   cache that holds nothing of its version (``told`` and no READ answered
   since the drop, ``dirty``), moves the handle to the newest version
   (`read_version`, `switch`) and starts a new generation: the kernel drops
-  the pages at the next read() or fstat, before any other page is read (for
-  SQLite, its fstat right after the counter read). Every READ is answered
+  the pages at the next read() or fstat, before any other page is read
+  (SQLite's next read, of the pages its new transaction needs). Every READ is answered
   from one version; READs at other offsets never move a handle.
 - **What does not move**: a handle never armed (no transaction start seen:
   ``immutable=1`` connections, which never re-read the counter and trust
   their own cache; `cat`, `dd`, any reader that is not SQLite), so it keeps
-  today's pinned version and page cache. A READ at offset 0 that finds pages
+  the version it opened and its page cache. A READ at offset 0 that finds pages
   of the old version cached since the drop does not move either: a reader
   could get offset 0 and those pages in one read(2), two versions in one
   buffer; the next transaction start drops them first.

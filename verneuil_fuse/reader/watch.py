@@ -89,11 +89,15 @@ class Watch:
     async def _check(self, entry: DbEntry) -> None:
         key = entry.key
         self.counts["checks"] += 1
+        # Known by name only (a listing changed it since it was read): its
+        # manifest is read whole and offered, never loaded as a lookup
+        # would (a blob that does not decode, e.g. damaged on the way, is
+        # then only logged: the follow loop never takes a database out of
+        # the tree).
+        tag = self._tags.get(key) if entry.current is not None else None
         try:
-            if entry.current is None:  # a listing changed it since it was read: read it now
-                await self.catalog.materialize(entry)
             fetched_at = self.catalog.clock()
-            tagged = await self.fetcher.get_manifest_if_changed(key, self._tags.get(key))
+            tagged = await self.fetcher.get_manifest_if_changed(key, tag)
         except NotFound:
             self._tags.pop(key, None)  # gone from the store: the next poll removes it
             return
