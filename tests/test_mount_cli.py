@@ -107,7 +107,7 @@ def test_option_parsing():
                               "fsname=s", "subtype=verneuil"}
     assert mount.parse_size("64M") == 64 << 20 and mount.parse_size("100") == 100
     defaults = mount.parse_args(["s", "m"])
-    assert defaults.follow and defaults.follow_interval == 0.5
+    assert defaults.follow and defaults.follow_interval is None  # the follow loop's default, 0.5 s
     opts = mount.parse_args(["s", "m", "-o", "follow=off,follow_interval=0"])
     assert not opts.follow and opts.follow_interval == 0
     for bad in ("follow=maybe", "follow_interval=-1", "follow_interval=soon"):

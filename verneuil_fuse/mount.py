@@ -33,7 +33,6 @@ from verneuil_fuse.errors import EXIT_INTERRUPTED, EXIT_MOUNT, EXIT_SOURCE, EXIT
 from verneuil_fuse.reader.fetcher import DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_CONCURRENCY, DEFAULT_DEADLINE
 from verneuil_fuse.format import CHUNK_SIZE, DEFAULT_MAX_DB_SIZE
 from verneuil_fuse.reader.replica import PrefetchConfig
-from verneuil_fuse.reader.watch import DEFAULT_INTERVAL as DEFAULT_FOLLOW_INTERVAL
 
 if TYPE_CHECKING:  # annotations only: `serve` imports these itself, so pyfuse3 loads only to mount
     from verneuil_fuse.fs import VerneuilFS
@@ -193,7 +192,7 @@ class Options:
     mem_cache: int = 64 << 20
     refresh: float = 10.0
     follow: bool = True
-    follow_interval: float = DEFAULT_FOLLOW_INTERVAL
+    follow_interval: float | None = None  # None: reader.watch.DEFAULT_INTERVAL (imported only to mount)
     readahead: bool = True
     readahead_max: int = PrefetchConfig.readahead_max
     cache_readahead_max: int = 0
@@ -694,7 +693,7 @@ def _build_layers(opts: Options, store) -> _Layers:
     from verneuil_fuse.reader.catalog import Catalog
     from verneuil_fuse.reader.fetcher import Fetcher
     from verneuil_fuse.reader.follow import Followers
-    from verneuil_fuse.reader.watch import Watch
+    from verneuil_fuse.reader.watch import DEFAULT_INTERVAL as DEFAULT_FOLLOW_INTERVAL, Watch
 
     cache = _open_disk_cache(opts)
     fetcher = Fetcher(
@@ -713,7 +712,8 @@ def _build_layers(opts: Options, store) -> _Layers:
                       extra_stats=lambda: _mount_stats(opts, layers))
     followers = Followers(catalog) if opts.follow else None
     ops = VerneuilFS(catalog, entry_timeout=opts.entry_timeout, followers=followers)
-    layers = _Layers(store, cache, fetcher, catalog, ops, Watch(catalog, opts.follow_interval))
+    interval = DEFAULT_FOLLOW_INTERVAL if opts.follow_interval is None else opts.follow_interval
+    layers = _Layers(store, cache, fetcher, catalog, ops, Watch(catalog, interval))
     return layers
 
 
