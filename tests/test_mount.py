@@ -343,6 +343,36 @@ def test_open_handle_keeps_its_version(env):
     assert os.stat(m.path(where)).st_size == len(new)
 
 
+def test_a_long_lived_connection_follows(env):
+    """A Python sqlite3 connection (mode=ro) kept open sees each new version
+    at its next query, within a second or so of its manifest landing: the
+    follow loop checks the manifest of a database in use every 0.5 s with a
+    conditional read (S3: a GET with If-None-Match, 304 while unchanged)."""
+    import contextlib
+
+    where = env.add_db("follow.db", 500, seed=21)
+    path = env.mount.path(where)
+    wait_for(lambda: os.path.exists(path), 20, "follow.db")
+    with contextlib.closing(sqlite3.connect("file:%s?mode=ro" % path, uri=True)) as con:
+        assert con.execute("SELECT count(*) FROM t").fetchone() == (500,)
+        for rows in (700, 900):
+            env.add_db("follow.db", rows, seed=rows)
+            start = time.monotonic()
+            wait_for(lambda: con.execute("SELECT count(*) FROM t").fetchone() == (rows,), 10, "%d rows" % rows)
+            assert time.monotonic() - start < 5
+        follow = env.mount.stats()["follow"]
+        assert follow["switches"] >= 2 and follow["new_versions"] >= 2, follow
+        wait_for(lambda: env.mount.stats()["follow"]["not_modified"] > follow["not_modified"], 10, "a 304")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with open(env.mount.path(".verneuil", "metrics")) as f:
+        families = {fam.name: fam for fam in text_string_to_metric_families(f.read())}
+    lag = families["verneuil_follow_lag_seconds"]
+    assert lag.type == "histogram"
+    counts = {s.labels["event"]: s.value for s in lag.samples if s.name.endswith("_count")}
+    assert counts["switched"] >= 2 and counts["visible"] >= 2, counts
+
+
 def test_removed_database_disappears(env):
     m = env.mount
     path = m.path(HOST, "data", "gone.db")

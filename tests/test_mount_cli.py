@@ -12,6 +12,7 @@ import time
 import pytest
 
 from verneuil_fuse import mount
+from verneuil_fuse.errors import UserError
 
 
 def run(*args, timeout=60):
@@ -23,7 +24,7 @@ def test_help_lists_own_options():
     out = run("--help")
     assert out.returncode == 0
     for name in ("cache_dir=", "cache_size=", "refresh=", "readahead_max=", "cache_readahead_max=", "btree_prefetch=",
-                 "concurrency=", "hydrate", "allow_other", "deadline=", "max_db_size="):
+                 "concurrency=", "hydrate", "allow_other", "deadline=", "max_db_size=", "follow=", "follow_interval="):
         assert name in out.stdout
 
 
@@ -116,6 +117,15 @@ def test_option_parsing():
     assert (opts.uid, opts.gid, opts.umask, opts.subdir) == (0, 0, 0o27, "/web1/srv/data")
     assert (opts.metrics_port, opts.metrics_address) == (9464, "127.0.0.1")
     assert mount.parse_args(["s", "m", "-o", "uid=1000,umask=0"]).uid == 1000
+    defaults = mount.parse_args(["s", "m"])
+    assert defaults.follow and defaults.follow_interval is None  # the follow loop's default, 0.5 s
+    opts = mount.parse_args(["s", "m", "-o", "follow=off,follow_interval=0"])
+    assert not opts.follow and opts.follow_interval == 0
+    for bad in ("follow=maybe", "follow_interval=-1", "follow_interval=soon"):
+        with pytest.raises(UserError) as e:
+            mount.parse_args(["s", "m", "-o", bad])
+        assert bad.split("=")[0] in str(e.value)
+
 
 
 def test_a_metrics_port_in_use_is_one_line(tmp_path):

@@ -254,6 +254,37 @@ def test_get_max_bytes(any_store):
         c.get(CHUNK, max_bytes=-1)
 
 
+def test_get_if_changed(any_store):
+    """A conditional read: the blob and its tag, then None while the key
+    holds that version (S3: If-None-Match answered 304, on the engine and
+    on boto3), then the new blob once it is written again, even with the
+    same length; NotFound and max_bytes as for `get`."""
+    m = any_store.manifests
+    m.put(MANIFEST, b"first version")
+    first = m.get_if_changed(MANIFEST, None)
+    assert first is not None and first.data == b"first version" and first.tag
+    assert m.get_if_changed(MANIFEST, None).tag == first.tag
+    assert m.get_if_changed(MANIFEST, first.tag) is None
+    assert m.get_if_changed(MANIFEST, first.tag, max_bytes=1) is None  # nothing read, nothing bounded
+    m.put(MANIFEST, b"other version")  # same length
+    second = m.get_if_changed(MANIFEST, first.tag)
+    assert second is not None and second.data == b"other version" and second.tag != first.tag
+    assert m.get_if_changed(MANIFEST, second.tag) is None
+    assert m.get_if_changed(MANIFEST, "no such tag").data == b"other version"
+    with pytest.raises(TooLarge):
+        m.get_if_changed(MANIFEST, first.tag, max_bytes=5)
+    with pytest.raises(NotFound):
+        m.get_if_changed(MANIFEST + "x", None)
+    with pytest.raises(NotFound):
+        m.get_if_changed(MANIFEST + "x", second.tag)
+    if s3_only(any_store):  # the engine path, then boto3's, give the same answers
+        assert m._engine_conditional(MANIFEST, second.tag, None) is None
+        m.use_engine = False
+        assert m.get_if_changed(MANIFEST, second.tag) is None
+        third = m.get_if_changed(MANIFEST, first.tag)
+        assert third.data == b"other version" and third.tag == second.tag
+
+
 def test_get_version_max_bytes(any_store):
     m = any_store.manifests
     m.put(MANIFEST, b"old version, longer")

@@ -42,9 +42,9 @@ from .format.names import MANGLE_KEEP
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CONTENT_TYPE", "COPIER_SERIES", "COUNTER", "DEFAULT_ADDRESS", "Family", "GAUGE", "LEFT_OUT",
-           "MOUNT_SERIES", "MetricsServer", "Series", "TIMESTAMP", "database_labels", "families",
-           "info_family", "numeric_leaves", "render"]
+__all__ = ["CONTENT_TYPE", "COPIER_SERIES", "COUNTER", "DEFAULT_ADDRESS", "Family", "GAUGE", "HISTOGRAM",
+           "Histogram", "LEFT_OUT", "MOUNT_SERIES", "MetricsServer", "Series", "TIMESTAMP", "database_labels",
+           "families", "histogram_family", "info_family", "numeric_leaves", "render"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Loopback unless told otherwise: the series name the databases of the host.
@@ -52,6 +52,7 @@ DEFAULT_ADDRESS = "127.0.0.1"
 
 COUNTER = "counter"
 GAUGE = "gauge"
+HISTOGRAM = "histogram"
 TIMESTAMP = "timestamp"  # a gauge in seconds since the epoch; 0 or None = never, left out
 LEFT_OUT = "left out"
 
@@ -197,10 +198,35 @@ MOUNT_SERIES: tuple[Series, ...] = tuple(
            "chunks the current hydration pass fetched"),
         _s("databases.hydration.failed", "verneuil_database_hydration_failed_chunks", GAUGE,
            "chunks the current hydration pass could not fetch"),
+        _s("databases.handles", "verneuil_database_open_handles_all_versions", GAUGE,
+           "handles open on the database, whatever version each reads"),
+        _s("databases.handles_behind", "verneuil_database_open_handles_behind", GAUGE,
+           "handles open on an older version than the newest (they move at their next transaction)"),
+        _s("databases.served", "verneuil_database_versions_served", GAUGE, "versions that open handles read"),
+        _s("databases.newest_age_s", "verneuil_database_newest_age_seconds", GAUGE,
+           "age of the newest version known (now minus its commit time, the manifest's ctime)"),
+        _s("databases.oldest_served_age_s", "verneuil_database_oldest_served_age_seconds", GAUGE,
+           "age of the oldest version an open handle reads (0: none open)"),
+        _s("follow.enabled", "", LEFT_OUT, "a setting: verneuil_mount_settings_info"),
+        _s("follow.interval", "", LEFT_OUT, "a setting: verneuil_mount_settings_info"),
+        _s("follow.watched", "verneuil_follow_watched_databases", GAUGE,
+           "databases the follow loop checked in its last pass (open or opened recently)"),
+        _s("follow.followers", "verneuil_follow_followers", GAUGE, "follower inodes (one per open handle, and free ones)"),
+        _s("follow.lag_visible_count", "", LEFT_OUT, "the histogram verneuil_follow_lag_seconds"),
+        _s("follow.lag_visible_sum_s", "", LEFT_OUT, "the histogram verneuil_follow_lag_seconds"),
+        _s("follow.lag_switched_count", "", LEFT_OUT, "the histogram verneuil_follow_lag_seconds"),
+        _s("follow.lag_switched_sum_s", "", LEFT_OUT, "the histogram verneuil_follow_lag_seconds"),
         _s("mount.pid", "", LEFT_OUT, "an identifier: verneuil_mount_info"),
         _s("mount.started", "verneuil_mount_start_timestamp_seconds", TIMESTAMP, "when the mount process started"),
         _s("mount.ready", "verneuil_mount_ready", GAUGE, "1 once the mount is up and tuned"),
     ]
+    + _counters("follow", "verneuil_follow_", {
+        "passes": "passes of the follow loop", "checks": "conditional manifest reads of databases in use",
+        "not_modified": "of which unchanged (304, or the same file)", "bodies": "of which changed (a manifest read)",
+        "new_versions": "new versions the follow loop found", "errors": "checks that failed",
+        "created": "follower inodes made", "estale": "opens of a taken follower answered ESTALE (the kernel looks again)",
+        "switches": "open handles moved to a newer version", "transaction_starts": "SQLite transaction starts seen",
+        "generations": "page cache drops of followers behind"})
     + _counters("mount", "verneuil_mount_", {
         "read_errors": "reads answered with an error (EREMOTEIO or EIO)",
         "handler_errors": "FUSE requests that failed unexpectedly (EIO; a traceback in the log)"})
@@ -251,11 +277,53 @@ COPIER_SERIES: tuple[Series, ...] = tuple(
 
 @dataclass
 class Family:
-    """One metric family: its name, Prometheus type, help and samples."""
+    """One metric family: its name, Prometheus type, help and samples
+    (labels, value), or (labels, value, suffix) where a sample's name is the
+    family's plus a suffix (a histogram's ``_bucket``, ``_sum``, ``_count``)."""
     name: str
     type: str
     help: str
-    samples: list[tuple[dict[str, str], int | float]] = field(default_factory=list)
+    samples: list[tuple] = field(default_factory=list)
+
+
+class Histogram:
+    """Observations counted in buckets by upper bound, for a Prometheus
+    histogram (`histogram_family`); kept as counts, not samples, so its
+    size does not grow with what it counts."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = tuple(sorted(bounds))
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        i = 0
+        while i < len(self.bounds) and value > self.bounds[i]:
+            i += 1
+        self.counts[i] += 1
+        self.count += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, observations at or below it) for every bound, then +Inf."""
+        out, total = [], 0
+        for bound, n in zip(self.bounds + (math.inf,), self.counts):
+            total += n
+            out.append(("+Inf" if bound == math.inf else repr(float(bound)), total))
+        return out
+
+
+def histogram_family(name: str, help: str, label: str, histograms: dict[str, Histogram]) -> Family:
+    """One histogram family `name`, a series per entry of `histograms`
+    labelled ``label=<its key>``: its buckets, sum and count."""
+    family = Family(name, HISTOGRAM, help)
+    for key, h in sorted(histograms.items()):
+        for le, n in h.cumulative():
+            family.samples.append(({label: key, "le": le}, n, "_bucket"))
+        family.samples.append(({label: key}, h.sum, "_sum"))
+        family.samples.append(({label: key}, h.count, "_count"))
+    return family
 
 
 def numeric_leaves(value, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], int | float]]:
@@ -359,8 +427,8 @@ def render(metric_families: Iterable[Family]) -> bytes:
     for f in metric_families:
         lines.append("# HELP %s %s" % (f.name, _escape(f.help, False)))
         lines.append("# TYPE %s %s" % (f.name, f.type))
-        for labels, value in f.samples:
-            lines.append("%s%s %s" % (f.name, _labels(labels), _value(value)))
+        for labels, value, *suffix in f.samples:
+            lines.append("%s%s%s %s" % (f.name, suffix[0] if suffix else "", _labels(labels), _value(value)))
     return ("\n".join(lines) + "\n").encode("utf-8", "replace") if lines else b""
 
 

@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # annotations only: `serve` imports these itself, so pyfuse3 
     from verneuil_fuse.reader.cache import ChunkCache
     from verneuil_fuse.reader.catalog import Catalog
     from verneuil_fuse.reader.fetcher import Fetcher
+    from verneuil_fuse.reader.watch import Watch
     from verneuil_fuse.store import Store
 
 log = logging.getLogger("verneuil_fuse.mount")
@@ -77,6 +78,17 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
   mem_cache=SIZE          in-process cache of hot chunks (default 64M)
   refresh=SECONDS         how often the store is polled for new or removed
                           databases and versions (default 10)
+  follow=on|off           open handles of a live database follow it: a SQLite
+                          connection (mode=ro, not immutable=1) moves to the
+                          newest version at its next read transaction, each
+                          open handle with a page cache of its own; off: a
+                          handle reads the version it opened until it is
+                          closed, and concurrent handles share one page
+                          cache (default on)
+  follow_interval=SECONDS how often the manifests of the databases open or
+                          opened in the last minute are checked (a
+                          conditional GET each, 304 while unchanged); 0: only
+                          the poll (default 0.5)
   readahead=on|off        sequential readahead (default on)
   readahead_max=N         largest readahead window, in 64 KiB chunks (default 256)
   cache_readahead_max=N   largest readahead window for chunks already in the
@@ -201,6 +213,8 @@ class Options:
     cache_size: int = 2 << 30
     mem_cache: int = 64 << 20
     refresh: float = 10.0
+    follow: bool = True
+    follow_interval: float | None = None  # None: reader.watch.DEFAULT_INTERVAL (imported only to mount)
     readahead: bool = True
     readahead_max: int = PrefetchConfig.readahead_max
     cache_readahead_max: int = 0
@@ -378,6 +392,8 @@ _OWN = {
     "cache_size": _cache_size,
     "mem_cache": parse_size,
     "refresh": _seconds,
+    "follow": _bool,
+    "follow_interval": _nonneg_seconds,
     "readahead": _bool,
     "readahead_max": _nonneg_int,
     "cache_readahead_max": _nonneg_int,
@@ -719,6 +735,7 @@ class _Layers:
     fetcher: Fetcher
     catalog: Catalog
     ops: VerneuilFS
+    watch: Watch  # the follow loop
     ready: bool = False    # the mount is up and tuned: the stats' "ready"
     mounted: bool = False  # pyfuse3.init succeeded and pyfuse3.close is still to come
     metrics: MetricsServer | None = None  # metrics_port's endpoint
@@ -765,6 +782,8 @@ def _build_layers(opts: Options, store) -> _Layers:
     from verneuil_fuse.fs import VerneuilFS
     from verneuil_fuse.reader.catalog import Catalog
     from verneuil_fuse.reader.fetcher import Fetcher
+    from verneuil_fuse.reader.follow import Followers
+    from verneuil_fuse.reader.watch import DEFAULT_INTERVAL as DEFAULT_FOLLOW_INTERVAL, Watch
 
     cache = _open_disk_cache(opts)
     fetcher = Fetcher(
@@ -781,8 +800,11 @@ def _build_layers(opts: Options, store) -> _Layers:
     catalog = Catalog(fetcher, refresh_interval=opts.refresh, prefetch=_prefetch_config(opts),
                       hydrate=opts.hydrate, manifest_cache=_open_manifest_cache(cache, store),
                       extra_stats=lambda: _mount_stats(opts, layers), subdir=opts.subdir)
-    ops = VerneuilFS(catalog, entry_timeout=opts.entry_timeout, uid=opts.uid, gid=opts.gid, umask=opts.umask)
-    layers = _Layers(store, cache, fetcher, catalog, ops)
+    followers = Followers(catalog) if opts.follow else None
+    ops = VerneuilFS(catalog, entry_timeout=opts.entry_timeout, uid=opts.uid, gid=opts.gid, umask=opts.umask,
+                     followers=followers)
+    interval = DEFAULT_FOLLOW_INTERVAL if opts.follow_interval is None else opts.follow_interval
+    layers = _Layers(store, cache, fetcher, catalog, ops, Watch(catalog, interval))
     return layers
 
 
@@ -802,16 +824,17 @@ def _open_manifest_cache(cache: ChunkCache | None, store):
 
 
 def _mount_stats(opts: Options, layers: _Layers) -> dict:
-    """The mount's own section, "mount", of the catalog's stats
-    (/.verneuil/stats): the catalog asks on every read of them, so the
-    values are current ones."""
+    """The mount's own sections, "mount" and "follow", of the catalog's
+    stats (/.verneuil/stats): the catalog asks on every read of them, so
+    the values are current ones."""
     return {
         "mount": {"source": layers.store.url, "mountpoint": opts.mountpoint, "pid": os.getpid(),
                   "started": layers.started,
                   "read_errors": layers.ops.read_errors, "handler_errors": layers.ops.handler_errors,
                   "ready": layers.ready,
                   "cache_dir": layers.cache.directory if layers.cache is not None else None,
-                  "metrics_url": layers.metrics.url if layers.metrics is not None else None}
+                  "metrics_url": layers.metrics.url if layers.metrics is not None else None},
+        "follow": layers.watch.stats(layers.ops.followers),
     }
 
 
@@ -832,6 +855,7 @@ async def _serve_layers(opts: Options, layers: _Layers, ready) -> None:
             nursery.start_soon(_settle, opts, layers, ready)
             nursery.start_soon(_unmount_on_signal)
             nursery.start_soon(layers.catalog.run)
+            nursery.start_soon(layers.watch.run)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
         _unmount(opts, layers)

@@ -117,6 +117,11 @@ SQLITE_SIDE_FILES = ("-journal", "-wal", "-shm")
 # many (a scan of a directory for many random names), all are forgotten at
 # once, so the set stays small.
 ABSENT_NAMES_MAX = 10_000
+# Bounds of the end-to-end lag histograms, in seconds (a version's commit,
+# its manifest's ctime, to the moment new opens see it and to the moment an
+# open handle moves to it): the follow loop's half second and the copier's
+# pass are its usual share; a store outage or a slow copier shows past 10 s.
+LAG_BUCKETS_S = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
 # The listed mtime of a database found by name before any listing showed it:
 # no real mtime, so the next listing counts as a change (one more GET).
 UNLISTED_MTIME = -1.0
@@ -282,6 +287,16 @@ class Catalog:
         # Keys found by name since the running poll began listing: that
         # listing may predate them, so it does not remove them.
         self._found_while_listing: set[str] = set()
+        # Called with a DbEntry when a new version of it is installed (the
+        # followers re-point or mark their inodes, see `follow.py`).
+        self.on_new_version: Callable[[DbEntry], None] | None = None
+        # Lag of new versions (`LAG_BUCKETS_S`): "visible" at install,
+        # "switched" when an open handle moves to one (`follow.py`).
+        self.lag = {"visible": metrics.Histogram(LAG_BUCKETS_S), "switched": metrics.Histogram(LAG_BUCKETS_S)}
+        # Handles open per database key, and when each was last opened
+        # (time.monotonic()): what the follow loop watches (`in_use`).
+        self._open_keys: dict[str, int] = {}
+        self._last_opened: dict[str, float] = {}
         self._hydrations: dict[str, _Hydration] = {}
         self._hydrate_slots = trio.Semaphore(HYDRATE_AT_ONCE)
         self._warned_cache_size = False
@@ -311,6 +326,18 @@ class Catalog:
         parent.mtime_ns = d.mtime_ns
         self.inodes[d.inode] = d
         return d
+
+    def add_node(self, make: Callable[[int], Any]) -> Any:
+        """A node of another module (a follower, `follow.py`), made by
+        ``make`` with a new inode of the tree and found by `get`."""
+        node = make(self._alloc())
+        self.inodes[node.inode] = node
+        return node
+
+    def drop_node(self, node: Any) -> None:
+        """Forget a node of `add_node`."""
+        if self.inodes.get(node.inode) is node:
+            del self.inodes[node.inode]
 
     def get(self, inode: int) -> Any:
         """What ``inode`` is: a Directory, a StatsFile, a Replica, a Parked
@@ -425,14 +452,40 @@ class Catalog:
     def opened(self, replica: Replica) -> None:
         replica.opens += 1
         self._opens_total[replica.key] = self._opens_total.get(replica.key, 0) + 1
+        self._open_keys[replica.key] = self._open_keys.get(replica.key, 0) + 1
+        self._last_opened[replica.key] = time.monotonic()
         if replica.inode in self._decoded:
             self._decoded.move_to_end(replica.inode)
 
     def released(self, replica: Replica) -> None:
         replica.opens -= 1
+        left = self._open_keys.get(replica.key, 0) - 1
+        if left > 0:
+            self._open_keys[replica.key] = left
+        else:
+            self._open_keys.pop(replica.key, None)
         self._maybe_drop(replica)
         if replica.opens <= 0:
             self._trim()
+
+    def in_use(self, recent: float, limit: int) -> list[DbEntry]:
+        """At most ``limit`` databases of the tree, those with an open
+        handle first, then those opened within the last ``recent`` seconds,
+        the most recently opened first (past states excluded: their
+        versions never change)."""
+        now = time.monotonic()
+        for key, at in list(self._last_opened.items()):
+            if now - at > recent and key not in self._open_keys:
+                del self._last_opened[key]
+        keys = sorted(self._last_opened, key=lambda k: (k not in self._open_keys, -self._last_opened[k]))
+        out = []
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None:
+                out.append(entry)
+                if len(out) >= limit:
+                    break
+        return out
 
     def _is_current(self, node: Any) -> bool:
         entry = self.entries.get(node.key)
@@ -548,6 +601,26 @@ class Catalog:
         if self.entries.get(entry.key) is not entry:
             return False
         await self._cache_put(entry, fetched_at, manifest, blob)
+        self._install(entry, manifest, fetched_at)
+        return True
+
+    async def offer(self, entry: DbEntry, blob: bytes, fetched_at: float) -> bool:
+        """A manifest blob of ``entry`` read outside a poll (the follow
+        loop's checks): installed through the same path as a poll's, a new
+        version unless it equals the current one. False when it does not
+        decode (logged, counted; the next poll decides about the entry) or
+        the entry left the tree meanwhile."""
+        try:
+            manifest = await self.fetcher.decode_manifest(blob)
+        except (ManifestError, TooLarge) as e:
+            self.poll_errors += 1
+            log.warning("cannot load manifest %s: %s", entry.key, e)
+            return False
+        if self.entries.get(entry.key) is not entry:
+            return False
+        await self._cache_put(entry, fetched_at, manifest, blob)
+        if self.entries.get(entry.key) is not entry:
+            return False
         self._install(entry, manifest, fetched_at)
         return True
 
@@ -864,12 +937,15 @@ class Catalog:
             entry.inode = inode
             self._maybe_drop(old)
             log.info("new version of %s (%d bytes, version %s)", replica.path, replica.size, replica.version[:16])
+            self.lag["visible"].observe(max(0.0, self.clock() - replica.mtime_ns / 1e9))
             if self.on_invalidate is not None:
                 self.on_invalidate(parent.inode, name)
             parent.mtime_ns = time.time_ns()
             if self.hydrate and self._nursery is not None:
                 self._start_hydration(entry.key)
         self._keep_decoded(replica)
+        if old is not None and self.on_new_version is not None:
+            self.on_new_version(entry)
 
     def _remove(self, key: str) -> None:
         entry = self.entries.pop(key, None)
@@ -975,12 +1051,16 @@ class Catalog:
                 counts[2] += node.preloaded
                 if not self._is_current(node):
                     old_open[node.key] = old_open.get(node.key, 0) + 1
+        served: dict[str, list[Replica]] = {}
+        for replica in self._decoded.values():
+            if replica.opens > 0:
+                served.setdefault(replica.key, []).append(replica)
         dbs = {}
         for entry in self.entries.values():
             h = self._hydrations.get(entry.key)
             if isinstance(entry.current, Replica):
                 d = entry.current.describe()
-            elif h is not None:  # hydrated, queued for it, or parked since
+            elif h is not None or entry.key in served:  # hydrated, queued for it, parked since, or open
                 d = {"path": os.path.join(entry.parent.path, entry.name), "key": entry.key}
             else:  # known by name, or parked: counted in "catalog" only
                 continue
@@ -988,6 +1068,7 @@ class Catalog:
             totals = [a + b for a, b in zip(held.get(entry.key, (0, 0, 0)), self._retired.get(entry.key, (0, 0, 0)))]
             d["since_mount"] = {"opens": self._opens_total.get(entry.key, 0), "reads": totals[0],
                                 "read_bytes": totals[1], "preloaded": totals[2]}
+            d.update(self._versions_served(entry, served.get(entry.key, [])))
             if h is not None:
                 d["hydration"] = h.describe()
             dbs[d["path"]] = d
@@ -1013,6 +1094,23 @@ class Catalog:
             out.update(self.extra_stats())
         return out
 
+    def _versions_served(self, entry: DbEntry, open_versions: list[Replica]) -> dict:
+        """What a database's open handles read against its newest version:
+        the versions served (how many handles each, and the age of each:
+        now minus its commit time, the manifest's ctime), the newest's age."""
+        now = self.clock()
+        current = entry.current
+
+        def age(mtime_ns: int) -> float:
+            return round(max(0.0, now - mtime_ns / 1e9), 3)
+
+        rows = [{"version": r.version, "handles": r.opens, "age_s": age(r.mtime_ns)}
+                for r in sorted(open_versions, key=lambda r: r.mtime_ns)]
+        behind = sum(r.opens for r in open_versions if r is not current)
+        return {"newest_age_s": age(current.mtime_ns) if current is not None else 0.0,
+                "handles": sum(r.opens for r in open_versions), "handles_behind": behind,
+                "served": rows, "oldest_served_age_s": rows[0]["age_s"] if rows else 0.0}
+
     def render_stats(self) -> bytes:
         return (json.dumps(self.stats(), indent=1, sort_keys=True) + "\n").encode()
 
@@ -1025,10 +1123,15 @@ class Catalog:
         info = {"version": __version__, "source": mount.get("source"), "mountpoint": mount.get("mountpoint"),
                 "pid": mount.get("pid"), "cache_dir": mount.get("cache_dir")}
         store = stats["fetch"]["store"]
+        follow = stats.get("follow", {})
         settings = {"refresh_interval_seconds": self.refresh_interval, "deadline_seconds": store["deadline"],
                     "max_db_size_bytes": store["max_db_size"], "decoded_limit": self.decoded_limit,
-                    "disk_cache_limit_bytes": stats["fetch"].get("disk_cache", {}).get("limit", 0)}
+                    "disk_cache_limit_bytes": stats["fetch"].get("disk_cache", {}).get("limit", 0),
+                    "follow": follow.get("enabled"), "follow_interval_seconds": follow.get("interval")}
         labels = {"databases": lambda path, d: metrics.database_labels(d.get("key", ""), path)}
+        lag = metrics.histogram_family(
+            "verneuil_follow_lag_seconds", "commit (the manifest's ctime) to a version visible to new opens "
+            "(event=visible) or read by an open handle that moved to it (event=switched)", "event", self.lag)
         return metrics.render([metrics.info_family("verneuil_mount_info", "what this mount is", info),
                                metrics.info_family("verneuil_mount_settings_info", "the mount's settings", settings)]
-                              + metrics.families(stats, metrics.MOUNT_SERIES, labels))
+                              + metrics.families(stats, metrics.MOUNT_SERIES, labels) + [lag])

@@ -93,6 +93,11 @@ CACHE_THREADS = 8
 # Blocking metadata calls at once (listings, manifest GETs and decodes):
 # a poll or a few lookups, not a scan's worth.
 META_THREADS = 4
+# Conditional manifest reads at once (`get_manifest_if_changed`, the follow
+# loop's checks of open databases): threads of their own, so that a pass
+# over many databases never holds up a lookup's manifest GET; 4 keep a
+# pass of 64 checks of 30 ms each within half a second.
+CHECK_THREADS = 4
 # Retries of a GET wait up to ``backoff`` seconds, then up to twice as long
 # ... ("full jitter": a random time below that bound, so that the GETs a
 # store refused together do not come back together; the deadline bounds
@@ -254,6 +259,7 @@ class Fetcher:
         self.thread_limiter = trio.CapacityLimiter(concurrency * 2)
         self.cache_limiter = trio.CapacityLimiter(CACHE_THREADS)
         self.meta_limiter = trio.CapacityLimiter(META_THREADS)
+        self.check_limiter = trio.CapacityLimiter(CHECK_THREADS)
 
     def _init_flights(self) -> None:
         self._inflight: dict[Fprint, Flight] = {}
@@ -310,6 +316,17 @@ class Fetcher:
         try:
             return await self.run_blocking(
                 functools.partial(self.store.manifests.get, key, max_bytes=self.manifest_limit))
+        except TooLarge:
+            self.stats["too_large"] += 1
+            raise
+
+    async def get_manifest_if_changed(self, key: str, tag: str | None):
+        """`Backend.get_if_changed` of a manifest (a `Tagged` blob, or None
+        while the key holds the version `tag` names), bounded as
+        `get_manifest_blob`, in a thread behind `CHECK_THREADS`."""
+        call = functools.partial(self.store.manifests.get_if_changed, key, tag, max_bytes=self.manifest_limit)
+        try:
+            return await trio.to_thread.run_sync(call, limiter=self.check_limiter, abandon_on_cancel=True)
         except TooLarge:
             self.stats["too_large"] += 1
             raise

@@ -1,8 +1,9 @@
 """One replicated database at one manifest version: reads and prefetch hints.
 
 A `Replica` never changes: a new manifest for the same database is a new
-`Replica` (and a new inode), so an open handle keeps reading the bytes of the
-version it opened. Reads assemble the verified chunks that cover the range:
+`Replica` (and a new inode), so a handle reading it reads the bytes of one
+version (a follower's handle moves to another `Replica` only at offset 0,
+`follow.py`). Reads assemble the verified chunks that cover the range:
 bundled chunks (in the manifest) and the zero chunk are served without any
 fetch; everything else comes from the `Fetcher`.
 
@@ -75,6 +76,13 @@ class Replica:
         if self._opened_before:
             return []
         self._opened_before = True
+        return self.preload_chunks()
+
+    def preload_chunks(self) -> list[tuple[int, bytes]]:
+        """(offset, bytes) of every chunk bundled in the manifest: what
+        `take_preload` gives once per version, and a follower's open once per
+        page-cache generation (`follow.py`: each follower has a page cache of
+        its own)."""
         bundled = self.manifest.bundled
         return [(i * CHUNK_SIZE, bundled[i]) for i in sorted(bundled) if bundled[i]]
 

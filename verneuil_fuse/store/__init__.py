@@ -10,7 +10,7 @@ This package owns every access to blob storage; boto3 is imported only here
 - `parse_config(spec) -> dict`: the same spec as a Verneuil-shaped config dict,
   for modules that need other keys (``replication_spooling_dir``, ...).
 - `Store` (``chunks``, ``manifests``, ``url``), the `Backend` protocol,
-  `ObjectInfo`, `VersionInfo`, and the errors: `StoreError` > `NotFound`,
+  `ObjectInfo`, `VersionInfo`, `Tagged`, and the errors: `StoreError` > `NotFound`,
   `BucketNotFound`, `AccessDenied`, `TransientError`, `TooLarge`,
   `InvalidKey`, `ConfigError`.
 - Implementations: `LocalBackend` (here) and `S3Backend` / `make_client`
@@ -33,6 +33,7 @@ from .base import (
     StoreError,
     Throttled,
     TimedOut,
+    Tagged,
     TooLarge,
     TransientError,
     VersionInfo,
@@ -57,6 +58,7 @@ __all__ = [
     "StoreError",
     "Throttled",
     "TimedOut",
+    "Tagged",
     "TooLarge",
     "TransientError",
     "VersionInfo",

@@ -9,7 +9,8 @@ rely on:
   in threads.  Implementations are safe to share between threads.
 - `Store`: the pair of backends a replica lives in (chunks + manifests; the two
   buckets may differ) and the URL that reopens it (`open_store(store.url)`).
-- `ObjectInfo` / `VersionInfo`: what listings yield.
+- `ObjectInfo` / `VersionInfo`: what listings yield; `Tagged`: a blob and
+  the tag of its version, what a conditional read (`get_if_changed`) gives.
 - The error hierarchy.  Every failure of a backend call is a `StoreError`
   (never a botocore or OSError leaking through), and no message ever holds a
   credential:
@@ -142,6 +143,17 @@ class VersionInfo:
     is_latest: bool
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tagged:
+    """A blob read by `Backend.get_if_changed` and the tag of the version it
+    is: opaque, equal for the same stored object and different once the key
+    is written again (S3: the ETag; a directory: the file's inode, size and
+    mtime)."""
+
+    data: bytes
+    tag: str
+
+
 def check_key(key: object) -> str:
     """Return `key` if it is a valid flat blob name, else raise `InvalidKey`.
 
@@ -206,6 +218,15 @@ class Backend(Protocol):
         are ever read, so an object that grows or lies about its size is
         refused too.  Callers reading what anyone with write access to the
         store may have put there pass a bound."""
+        ...
+
+    def get_if_changed(self, key: str, tag: str | None, max_bytes: int | None = None) -> Tagged | None:
+        """The blob and its tag, or None when the key still holds the version
+        `tag` names (nothing read: S3 answers a GET with If-None-Match 304
+        without a body; a directory compares the file's stat).  `tag` None:
+        the blob whatever its version.  `NotFound` and `max_bytes` as for
+        `get`.  What a reader that watches a few keys calls often: an
+        unchanged key costs a request and no body."""
         ...
 
     def get_range(self, key: str, start: int, end: int) -> bytes:

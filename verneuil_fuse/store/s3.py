@@ -67,6 +67,7 @@ from .base import (
     StoreError,
     Throttled,
     TimedOut,
+    Tagged,
     TransientError,
     VersionInfo,
     check_key,
@@ -160,6 +161,8 @@ DENIED_CODES = frozenset(
     }
 )
 PRECONDITION_CODES = frozenset({"PreconditionFailed", "412"})
+# A conditional GET (If-None-Match) whose object still has that ETag.
+NOT_MODIFIED_CODES = frozenset({"NotModified", "304"})
 TRANSIENT_CODES = frozenset(
     {
         "SlowDown",
@@ -220,6 +223,16 @@ _REGION_CODES = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed", 
 ENGINE_RETRY_BACKOFF = 0.05
 # ... never more than botocore's longest wait between attempts (20 s).
 ENGINE_RETRY_CAP = 20.0
+
+
+def _answer_of(err: StoreError) -> tuple[str, Any]:
+    """The S3 error code and HTTP status of the answer behind ``err``
+    (("", None) when it was no S3 answer)."""
+    cause = err.__cause__
+    if not isinstance(cause, botocore.exceptions.ClientError):
+        return "", None
+    return (str(cause.response.get("Error", {}).get("Code", "")),
+            cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
 
 
 class _Redirected:
@@ -719,34 +732,71 @@ class S3Backend:
         """One engine request and its answer, waited for here, with
         attempts for transient failures as the client's retry configuration
         says (botocore's total_max_attempts); None: use boto3."""
-        retries = self.client.meta.config.retries or {}
-        attempts = max(1, int(retries.get("total_max_attempts", ENGINE_ATTEMPTS)))
 
         def once() -> bytes | None:
             request = self._engine_request(method, key, body, max_bytes, None)
-            if request is None:
+            result = None if request is None else self._engine_roundtrip(request)
+            if result is None:
                 return None
-            box: list = []
-            ready = threading.Event()
-
-            def finish(result: Response | OSError) -> None:
-                box.append(result)
-                ready.set()
-
-            try:
-                self._engine.submit(request, finish)
-            except OSError:
-                return None
-            ready.wait()
-            answer = self._engine_answer(op, key, box[0], max_bytes)
+            answer = self._engine_answer(op, key, result, max_bytes)
             if isinstance(answer, _Redirected):
                 return None
             if isinstance(answer, StoreError):
                 raise answer
             return answer
 
-        backoff = Backoff(base=ENGINE_RETRY_BACKOFF, cap=ENGINE_RETRY_CAP, attempts=attempts, jitter=False)
-        return retry(once, backoff=backoff, what="%s %s" % (op, key))
+        return retry(once, backoff=self._engine_backoff(), what="%s %s" % (op, key))
+
+    def _engine_backoff(self) -> Backoff:
+        """The waits between a synchronous engine request's attempts, as
+        many as the client's retry configuration says (botocore's
+        total_max_attempts)."""
+        retries = self.client.meta.config.retries or {}
+        attempts = max(1, int(retries.get("total_max_attempts", ENGINE_ATTEMPTS)))
+        return Backoff(base=ENGINE_RETRY_BACKOFF, cap=ENGINE_RETRY_CAP, attempts=attempts, jitter=False)
+
+    def _engine_roundtrip(self, request: Request) -> Response | OSError | None:
+        """Send `request` on the engine and wait for its answer; None: the
+        engine took no request (closed)."""
+        box: list = []
+        ready = threading.Event()
+
+        def finish(result: Response | OSError) -> None:
+            box.append(result)
+            ready.set()
+
+        try:
+            self._engine.submit(request, finish)
+        except OSError:
+            return None
+        ready.wait()
+        return box[0]
+
+    def _engine_conditional(self, key: str, tag: str | None, max_bytes: int | None) -> Tagged | None | _Redirected:
+        """`get_if_changed` on the engine: a GET with If-None-Match, whose
+        304 answer is "unchanged"; `_Redirected`: no engine path (boto3
+        serves it), as for an answer without an ETag."""
+
+        def once() -> Tagged | None | _Redirected:
+            auth = self._engine_auth()
+            if auth is None:
+                return _Redirected()
+            prefix, headers, sigv4 = auth
+            condition = ["If-None-Match: " + tag] if tag else []
+            request = self._engine_build((prefix, headers + condition, sigv4), "GET", key, None, max_bytes, None)
+            result = self._engine_roundtrip(request)
+            if result is None:
+                return _Redirected()
+            if isinstance(result, Response) and result.status == 304:
+                return None
+            answer = self._engine_answer("get", key, result, max_bytes)
+            if isinstance(answer, StoreError):
+                raise answer
+            if isinstance(answer, _Redirected) or not result.etag:
+                return _Redirected()
+            return Tagged(answer, result.etag)
+
+        return retry(once, backoff=self._engine_backoff(), what="conditional get %s" % key)
 
     # -- Backend ---------------------------------------------------------
 
@@ -758,6 +808,24 @@ class S3Backend:
     def _get_boto3(self, key: str, max_bytes: int | None) -> bytes:
         response = self._call("get", key, self.client.get_object, Key=self._full(key))
         return self._read_body("get", key, response, max_bytes)
+
+    def get_if_changed(self, key: str, tag: str | None, max_bytes: int | None = None) -> Tagged | None:
+        check_max_bytes(max_bytes)
+        answer = self._engine_conditional(key, tag, max_bytes)
+        if not isinstance(answer, _Redirected):
+            return answer
+        kwargs: dict[str, Any] = {"Key": self._full(key)}
+        if tag:
+            kwargs["IfNoneMatch"] = tag
+        try:
+            response = self._call("get", key, self.client.get_object, **kwargs)
+        except StoreError as err:
+            code, status = _answer_of(err)
+            if code in NOT_MODIFIED_CODES or status == 304:
+                return None
+            raise
+        data = self._read_body("get", key, response, max_bytes)
+        return Tagged(data, str(response.get("ETag") or ""))
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         full = self._full(key)
@@ -827,12 +895,9 @@ class S3Backend:
         try:
             self._write("put", key, self.client.put_object, Key=full, Body=data, IfNoneMatch="*")
         except StoreError as err:
-            cause = err.__cause__
-            if isinstance(cause, botocore.exceptions.ClientError):
-                code = str(cause.response.get("Error", {}).get("Code", ""))
-                status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                if code in PRECONDITION_CODES or status == 412:
-                    return False
+            code, status = _answer_of(err)
+            if code in PRECONDITION_CODES or status == 412:
+                return False
             raise
         logger.debug("put_if_absent %s (%d bytes)", self._where(key), len(data))
         return True
