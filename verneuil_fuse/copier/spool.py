@@ -1,8 +1,9 @@
 """The spool as copiers see it (docs/SPOOL.md): paths, names, identities.
 
 Nothing here talks to a store.  Everything is a plain POSIX operation on the
-tree the writer VFS maintains; the only state copiers add is `copier.lock`
-and `copier.touched` in each database's directory and `dead-letter/` in the
+tree the writer VFS maintains; the only state copiers add is `copier.lock`,
+`copier.touched`, `copier.store` and, in the packed layout, `copier.packs/`
+and `copier.last` in each database's directory, and `dead-letter/` in the
 boot root.
 """
 from __future__ import annotations
@@ -32,6 +33,8 @@ SOURCE = "source"
 LOCK_FILE = "copier.lock"
 TOUCHED_FILE = "copier.touched"
 STORE_FILE = "copier.store"  # identity of the chunk store this database is shipped to
+PACKS_DIR = "copier.packs"  # packed layout: where the chunks packed from this directory went
+LAST_FILE = "copier.last"  # packed layout: the last manifest uploaded (raw, with its layout)
 DEAD_LETTER = "dead-letter"
 
 # "<boot_id>.<boot_time>": a UUID, a dot, the ctime of /proc/1 in seconds.
