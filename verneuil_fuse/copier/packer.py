@@ -15,7 +15,8 @@
   current manifest, then in the source file, else the upload is refused
   (`Unplaced`) and the writer's next commit made a full snapshot;
 - `after_staged_upload`: journal records the uploaded manifest covers are
-  pruned; `collect`: the database's garbage packs deleted now and then.
+  pruned; `collect`: the database's garbage packs deleted every
+  GC_INTERVAL by one copier of the spool (`packing.GcState`).
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from typing import Optional
 from .. import format as fmt
 from ..store import NotFound, StoreError, read_run
 from . import spool as sp
-from .packing import (GC_INTERVAL, PACK_TARGET_BYTES, PACKS_IN_FLIGHT, Ledger, PackBuilder, Place,
-                      collect_garbage, plan_compaction, space_of, stored_chunks)
+from .packing import (GC_INTERVAL, PACK_TARGET_BYTES, PACKS_IN_FLIGHT, GcState, Ledger, PackBuilder,
+                      Place, collect_garbage, plan_compaction, space_of, stored_chunks)
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,6 @@ class Packer:
         self.c = copier
         self.target = target
         self._ledgers: dict[str, Ledger] = {}
-        self._gc_due: dict[str, float] = {}
-        self._gc_known: dict[str, dict[str, set[str]]] = {}
 
     def ledger(self, db: sp.DbDir, name: str) -> Ledger:
         """The ledger of `db`, whose manifest is `name`, up to date."""
@@ -322,16 +321,18 @@ class Packer:
 
     def collect(self, db: sp.DbDir, name: str, force: bool = False, **kw) -> list[str]:
         """Delete `db`'s garbage packs, at most every GC_INTERVAL seconds
-        (always with `force`); the keys deleted.  Failures are logged."""
-        now = time.monotonic()
-        if not force and now < self._gc_due.get(db.path, 0.0):
+        by any copier of the spool (always with `force`); the keys deleted.
+        Failures are logged."""
+        state = GcState(db.sub(sp.GC_FILE))
+        if not force and time.time() - state.last_run() < GC_INTERVAL:
             return []
-        self._gc_due[db.path] = now + GC_INTERVAL
+        known = state.load()
         try:
+            state.save(known)  # claims this round for the spool's other copiers
             ledger = self.ledger(db, name)
             deleted = collect_garbage(self.c.store, name, ledger.space, ledger.protected(),
-                                      request=self.c._request, known=self._gc_known.setdefault(db.path, {}),
-                                      **kw)
+                                      request=self.c._request, known=known, **kw)
+            state.save(known)
         except (StoreError, fmt.ManifestError, fmt.ChunkError, OSError) as e:
             log.warning("%s: no garbage collection this time: %s", db.source() or db.path, e)
             return []

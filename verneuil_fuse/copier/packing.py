@@ -16,7 +16,9 @@ database's packs need compacting, and which packs may be deleted.
   within `COMPACT_AT` times the range reads of a fresh pack, and the packs
   a manifest needs within `LIVE_BOUND` times its live bytes;
 - `collect_garbage`: deletes the packs of a database that no kept version
-  of its manifest, no journal record and no recent upload needs.
+  of its manifest, no journal record and no recent upload needs;
+  `GcState` (`<db>/copier.gc`) remembers, for every copier of the spool,
+  when it last ran and the packs each version names.
 
 Pure bookkeeping and planning, with the store reached only through the
 callables passed in; `packer.Packer` runs it for the copier.
@@ -196,14 +198,17 @@ class Ledger:
         except FileNotFoundError:
             self.last, self._last_ident = None, None
             return
-        if ident == self._last_ident:
-            return
-        try:
-            m = fmt.decode_and_validate(sp.read_regular(self.last_path))
-        except (OSError, fmt.ManifestError) as e:
-            log.warning("%s: unreadable (%s): ignored", self.last_path, e)
-            m = None
-        self.last, self._last_ident = (m if m is not None and self._usable(m) else None), ident
+        if ident != self._last_ident:
+            try:
+                m = fmt.decode_and_validate(sp.read_regular(self.last_path))
+            except (OSError, fmt.ManifestError) as e:
+                log.warning("%s: unreadable (%s): ignored", self.last_path, e)
+                m = None
+            self.last, self._last_ident = (m if m is not None and self._usable(m) else None), ident
+        if self.last is not None:
+            # An older version's places are no longer safe to give: GC may
+            # delete what no kept version, journal record or copier.last needs.
+            self.store_manifest = None
 
     def _usable(self, m: Optional[fmt.Manifest]) -> bool:
         return m is not None and m.layout is not None and m.layout.space == self.space
@@ -216,6 +221,7 @@ class Ledger:
             f.write(raw)
         os.rename(tmp, self.last_path)
         self.last, self._last_ident = m, sp.identity_of_path(self.last_path)
+        self.store_manifest = None
 
     def needs_store_manifest(self) -> bool:
         """Whether the store's current manifest should be read for places:
@@ -465,7 +471,9 @@ def collect_garbage(store, key: str, space: fmt.Fprint, protected: Iterable[str]
         return []
     limit = fmt.manifest_blob_limit(fmt.DEFAULT_MAX_DB_SIZE)
     needed: set[str] = set()
+    listed: set[str] = set()
     for info in request(lambda: store.manifests.list_versions(key), "list versions"):
+        listed.add(info.version_id)
         keys = known.get(info.version_id)
         if keys is None:
             try:
@@ -475,9 +483,51 @@ def collect_garbage(store, key: str, space: fmt.Fprint, protected: Iterable[str]
             if info.version_id != "null":  # a "null" version is whatever is current
                 known[info.version_id] = keys
         needed |= keys
+    for gone in set(known) - listed:  # expired versions need nothing any more
+        del known[gone]
     deleted = []
     for pack in candidates:
         if pack not in needed:
             request(lambda: store.chunks.delete(pack), "delete pack")
             deleted.append(pack)
     return deleted
+
+
+class GcState:
+    """What garbage collection keeps between runs for one database, shared
+    by every copier of the spool: when it last ran (the file's mtime) and
+    the packs each version of the manifest names (a version never changes,
+    so it is read once), in `path` (JSON, written by temp + rename)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def last_run(self) -> float:
+        """time.time() of the last run, 0 if none."""
+        try:
+            return os.stat(self.path).st_mtime
+        except FileNotFoundError:
+            return 0.0
+
+    def load(self) -> dict[str, set[str]]:
+        """Each version id's pack keys ({} when unreadable)."""
+        try:
+            doc = json.loads(sp.read_regular(self.path, 64 << 20))
+            packs = doc["packs"]
+            return {vid: {packs[i] for i in indices} for vid, indices in doc["versions"].items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            log.warning("%s: unreadable (%s): versions are read again", self.path, e)
+            return {}
+
+    def save(self, known: dict[str, set[str]]) -> None:
+        """Record `known` and that GC ran now."""
+        packs = sorted(set().union(*known.values())) if known else []
+        number = {key: i for i, key in enumerate(packs)}
+        body = json.dumps({"packs": packs,
+                           "versions": {vid: sorted(number[k] for k in keys) for vid, keys in known.items()}})
+        tmp = "%s.%d.tmp" % (self.path, os.getpid())
+        with open(tmp, "w") as f:
+            f.write(body)
+        os.rename(tmp, self.path)

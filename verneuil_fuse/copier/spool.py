@@ -2,8 +2,8 @@
 
 Nothing here talks to a store.  Everything is a plain POSIX operation on the
 tree the writer VFS maintains; the only state copiers add is `copier.lock`,
-`copier.touched`, `copier.store` and, in the packed layout, `copier.packs/`
-and `copier.last` in each database's directory, and `dead-letter/` in the
+`copier.touched`, `copier.store` and, in the packed layout, `copier.packs/`,
+`copier.last` and `copier.gc` in each database's directory, and `dead-letter/` in the
 boot root.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ TOUCHED_FILE = "copier.touched"
 STORE_FILE = "copier.store"  # identity of the chunk store this database is shipped to
 PACKS_DIR = "copier.packs"  # packed layout: where the chunks packed from this directory went
 LAST_FILE = "copier.last"  # packed layout: the last manifest uploaded (raw, with its layout)
+GC_FILE = "copier.gc"  # packed layout: when GC last ran, and the packs each version names
 DEAD_LETTER = "dead-letter"
 
 # "<boot_id>.<boot_time>": a UUID, a dot, the ctime of /proc/1 in seconds.
