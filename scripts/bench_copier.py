@@ -209,7 +209,7 @@ def bench_initial_sync(server: S3Server, work: str, size_mb: int, workers: int, 
     return out
 
 
-def bench_dedup(server: S3Server, work: str, dbs: int, db_mb: int, layout: str) -> dict:
+def bench_dedup(server: S3Server, work: str, dbs: int, db_mb: int, layout: str = "chunks") -> dict:
     spool = os.path.join(work, "dedup-spool-" + layout)
     os.makedirs(spool)
     base = os.path.join(work, "base.db")
