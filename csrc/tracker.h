@@ -48,7 +48,20 @@ struct vn_tracker_stats {
 	uint64_t bundled;     /* chunks besides chunk 0 in the last manifest */
 	uint64_t low_space;   /* of `failed`: the spool's file system was
 	                       * short of space (VN_SPOOL_FREE_PERCENT) */
+	uint64_t too_large;   /* refused: the file is past max_db_size */
 };
+
+/*
+ * The largest database the writer replicates (max_db_size's default and
+ * ceiling): whose manifest fits Verneuil's cap on a manifest
+ * (VN_MAX_MANIFEST_BYTES) with room for the bundled chunks (2 MiB) and the
+ * other fields (64 KiB), at 16 bytes per chunk: about 1.5 TiB.  The copier
+ * and `verneuilctl lag` use the same bound (verneuil_fuse.format,
+ * MAX_REPLICATED_DB_SIZE).
+ */
+#define VN_MAX_DB_SIZE \
+	((uint64_t)((VN_MAX_MANIFEST_BYTES - (2u << 20) - (64u << 10)) / 16) * \
+	    VN_CHUNK_SIZE)
 
 /* A spool short of space stays so for a while (until copiers ship what it
  * holds): its abandoned snapshots are logged once a minute per database, not
@@ -103,6 +116,7 @@ struct vn_tracker {
 	struct vn_tracker_stats stats;
 	int64_t low_space_logged_at; /* CLOCK_MONOTONIC seconds; 0: never */
 	int64_t abandon_warned_at;   /* the same, for other abandons on stderr */
+	int too_large_said;        /* the file past max_db_size was said */
 };
 
 /* gc_weight: GC runs with probability gc_weight * (chunks staged now) /
@@ -112,6 +126,8 @@ struct vn_tracker {
 struct vn_snapshot_config {
 	double gc_weight;
 	size_t bundle_chunks;
+	uint64_t max_db_size; /* a larger file is not replicated (at most
+	                       * VN_MAX_DB_SIZE) */
 };
 
 int vn_tracker_init(struct vn_tracker *t, const struct vn_keys *keys,
@@ -135,6 +151,7 @@ enum vn_snapshot_result {
 	VN_SNAPSHOT_EMPTY,   /* empty file: nothing to snapshot */
 	VN_SNAPSHOT_WAL,     /* the header says WAL: not replicated */
 	VN_SNAPSHOT_FAILED,  /* logged through vn_log; version id cleared */
+	VN_SNAPSHOT_TOO_LARGE, /* past max_db_size: not replicated (said once) */
 };
 
 /* Brings staging up to date with `db` (SHARED lock held by the caller). */

@@ -259,6 +259,43 @@ def test_lag_reports_pending_then_in_sync(replicated, tmp_path):
     assert w.path in text and "behind" in text
     proc = run(["lag", "--spool", spool, "--no-store"])
     assert proc.returncode == 0 and "pending for" in proc.stdout.decode()
+    # Behind by more than --max-lag: exit 3, a monitoring check's "not OK".
+    time.sleep(0.3)
+    proc = run(["lag", "--store", url, "--spool", spool, "--max-lag", "0.2"])
+    assert proc.returncode == 3 and "behind" in proc.stdout.decode(), proc.stdout
+    assert run(["lag", "--store", url, "--spool", spool, "--max-lag", "600"]).returncode == 0
+
+
+def test_log_lines_carry_the_time_unless_journald_does(tmp_path):
+    """Log lines start with the time, the program and its PID; on the
+    journal's stream (JOURNAL_STREAM names stderr's device and inode, as
+    systemd sets it) they are the level and the message alone."""
+    import re
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    args = CTL + ["-v", "flush", "--store", "file://%s/store" % tmp_path, "--spool", str(spool)]
+    env = {k: v for k, v in os.environ.items() if k not in ("VERNEUIL_CONFIG", "JOURNAL_STREAM")}
+    plain = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    assert plain.returncode == 0, plain.stderr
+    lines = plain.stderr.splitlines()
+    assert lines and all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d{4} verneuilctl\[\d+\] INFO: ", line)
+                         for line in lines), lines
+    r, w = os.pipe()
+    try:
+        st = os.fstat(w)
+        journal = dict(env, JOURNAL_STREAM="%d:%d" % (st.st_dev, st.st_ino))
+        proc = subprocess.Popen(args, stderr=w, env=journal)
+        os.close(w)
+        w = -1
+        with os.fdopen(r, "r") as f:
+            r = -1
+            text = f.read()
+        assert proc.wait(60) == 0
+    finally:
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
+    assert text.splitlines() and all(line.startswith("INFO: flush") for line in text.splitlines()), text
 
 
 def test_lag_sees_writes_that_were_not_snapshotted(replicated):
@@ -273,8 +310,35 @@ def test_lag_sees_writes_that_were_not_snapshotted(replicated):
     (db,) = json.loads(run(["lag", "--store", url, "--spool", spool, "--json"]).stdout)
     assert db["in_sync"] is False and db["source_changed"] is True and db["lag"] > 0
     assert db["manifests"][0]["in_store"] == "current"
-    text = run(["lag", "--store", url, "--spool", spool]).stdout.decode()
+    proc = run(["lag", "--store", url, "--spool", spool])
+    text = proc.stdout.decode()
     assert "behind" in text and "source changed since" in text and "in sync" not in text
+    assert proc.returncode == 3  # not replicated, however recent
+
+
+@pytest.mark.skipif(not vfs_available(), reason="writer_vfs is not built")
+def test_lag_of_a_wal_database_never_snapshotted(tmp_path):
+    """A database in WAL mode from its first commit has a spool directory and
+    no snapshot: lag says it was never snapshotted (never "in sync"), with
+    or without a store, and exits 3."""
+    import writer_vfs
+    spool = str(tmp_path / "spool")
+    writer_vfs.register(spool)
+    writer_vfs.set_warn_stderr(False)
+    con = writer_vfs.connect(str(tmp_path / "w.db"))
+    try:
+        con.execute("PRAGMA journal_mode=WAL")
+        con.execute("CREATE TABLE t(x)")
+        con.commit()
+    finally:
+        con.close()
+    for where in (["--store", "file://%s/store" % tmp_path], ["--no-store"]):
+        proc = run(["lag", "--spool", spool] + where)
+        text = proc.stdout.decode()
+        assert proc.returncode == 3, (where, text)
+        assert "WAL: NOT replicated" in text and "never snapshotted" in text and "in sync" not in text, text
+        (db,) = json.loads(run(["lag", "--spool", spool, "--json"] + where).stdout)
+        assert db["snapshotted"] is False and db["wal"] is True and db["in_sync"] in (False, None)
 
 
 def test_flush_timeout_stops_uploads_midway(tmp_path):

@@ -440,7 +440,8 @@ def test_verneuil_config_env(value, how):
 
 OWN_OPTIONS = ["cache_dir", "cache_size", "mem_cache", "refresh", "readahead", "readahead_max", "cache_readahead_max",
                "btree_prefetch", "btree_max", "concurrency", "prefetch_concurrency", "retries",
-               "timeout", "hydrate", "entry_timeout", "read_ahead_kb", "log_file", "log_level"]
+               "timeout", "hydrate", "entry_timeout", "read_ahead_kb", "log_file", "log_level",
+               "uid", "gid", "umask", "subdir", "metrics_port", "metrics_address"]
 FUSE_OPTIONS = ["ro", "rw", "allow_other", "allow_root", "default_permissions", "auto_unmount",
                 "debug", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "fsname", "subtype",
                 "_netdev", "nofail", "x-systemd.foo", "comment", "user", "bogus", "max_read"]
@@ -474,6 +475,12 @@ def _mount_gate(argv):
     for name in ("cache_size", "mem_cache", "readahead_max", "cache_readahead_max", "btree_max", "concurrency", "retries"):
         v = getattr(opts, name)
         assert (v is None and name == "concurrency") or v >= 0, name  # None: the fetcher's default for the store
+    # Owner and modes the kernel's attributes can hold; a port; a subtree
+    # of absolute, plain components.
+    assert all(v is None or 0 <= v < (1 << 32) - 1 for v in (opts.uid, opts.gid)), (opts.uid, opts.gid)
+    assert 0 <= opts.umask <= 0o777 and (opts.metrics_port is None or 0 <= opts.metrics_port <= 65535)
+    assert opts.subdir == "" or (opts.subdir.startswith("/") and "//" not in opts.subdir
+                                 and not {".", ".."} & set(opts.subdir.split("/")))
 
 
 @FUZZ
@@ -482,6 +489,7 @@ def _mount_gate(argv):
 @example(["subtype=é"], "/src")
 @example(["cache_size=1" + "0" * 400], "/src")
 @example(["entry_timeout=-1"], "/src")
+@example(["uid=1" + "0" * 400, "gid=\u0661"], "/src")
 @example([], "/tmp/é")
 def test_mount_options(items, source):
     assume(source and not source.startswith("-"))

@@ -146,5 +146,6 @@ INSERT INTO t VALUES (1);
     assert "it is NOT replicated" in out.stderr, out.stderr
     lag = subprocess.run([sys.executable, "-m", "verneuil_fuse.cli", "lag", "--spool", spool, "--no-store"],
                          capture_output=True, text=True, timeout=60)
-    assert lag.returncode == 0, lag.stderr
+    assert lag.returncode == 3, lag.stderr  # not replicated: lag's "not OK"
     assert os.path.realpath(db) in lag.stdout and "WAL: NOT replicated" in lag.stdout, lag.stdout
+    assert "never snapshotted" in lag.stdout and "in sync" not in lag.stdout, lag.stdout

@@ -99,14 +99,21 @@ class VerneuilFS(pyfuse3.Operations):
         entry_timeout: float = 1.0,
         attr_timeout: float = 3600.0,
         dir_timeout: float = 1.0,
+        uid: int | None = None,
+        gid: int | None = None,
+        umask: int = 0,
     ):
         super().__init__()
         self.catalog = catalog
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
         self.dir_timeout = dir_timeout
-        self.uid = os.getuid()
-        self.gid = os.getgid()
+        # Owner and permissions of every entry: the mounting user's, read
+        # for all, unless the mount's uid=, gid=, umask= say otherwise.
+        self.uid = os.getuid() if uid is None else uid
+        self.gid = os.getgid() if gid is None else gid
+        self.file_mode = 0o444 & ~umask
+        self.dir_mode = 0o555 & ~umask
         self._handles: dict[int, _Handle] = {}
         self._dir_handles: dict[int, list[tuple[str, Any]]] = {}
         self._next_fh = 1
@@ -139,7 +146,7 @@ class VerneuilFS(pyfuse3.Operations):
         a.st_blksize = CHUNK_SIZE
         if isinstance(node, Directory):
             a.st_ino = node.inode
-            a.st_mode = stat.S_IFDIR | 0o555
+            a.st_mode = stat.S_IFDIR | self.dir_mode
             a.st_nlink = 2 + sum(isinstance(n, Directory) for n in node.entries.values())
             a.st_size = 0
             t = node.mtime_ns
@@ -148,14 +155,14 @@ class VerneuilFS(pyfuse3.Operations):
             # Known by name only (a listing): no size yet. Handed to the
             # kernel uncached, so that a stat looks it up (and reads it).
             a.st_ino = node.inode
-            a.st_mode = stat.S_IFREG | 0o444
+            a.st_mode = stat.S_IFREG | self.file_mode
             a.st_nlink = 1
             a.st_size = 0
             t = int(max(0.0, node.listed_mtime) * 1e9)
             a.entry_timeout = a.attr_timeout = 0
         elif isinstance(node, (Replica, Parked)):
             a.st_ino = node.inode
-            a.st_mode = stat.S_IFREG | 0o444
+            a.st_mode = stat.S_IFREG | self.file_mode
             a.st_nlink = 1
             a.st_size = node.size
             t = node.mtime_ns
@@ -163,7 +170,7 @@ class VerneuilFS(pyfuse3.Operations):
             a.attr_timeout = self.attr_timeout
         elif isinstance(node, StatsFile):
             a.st_ino = node.inode
-            a.st_mode = stat.S_IFREG | 0o444
+            a.st_mode = stat.S_IFREG | self.file_mode
             a.st_nlink = 1
             a.st_size = 0
             t = self.catalog.root.mtime_ns

@@ -48,8 +48,10 @@ __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REPAIRABLE", "EXIT
 def _setup_logging(verbose: int, quiet: bool) -> None:
     level = logging.ERROR if quiet else (
         logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
-    logging.basicConfig(level=level, format="verneuilctl: %(levelname)s: %(message)s",
-                        stream=sys.stderr)
+    from ..logs import formatter
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter("verneuilctl", sys.stderr))
+    logging.basicConfig(level=level, handlers=[handler])
     # botocore's debug output holds request headers (the access key id, a
     # session token): never below INFO, however verbose.
     for name in ("botocore", "boto3", "urllib3", "s3transfer"):

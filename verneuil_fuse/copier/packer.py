@@ -61,7 +61,7 @@ class Packer:
         space = space_of(name)
         ledger = self._ledgers.get(db.path)
         if ledger is None or ledger.space != space:
-            ledger = self._ledgers[db.path] = Ledger(db.path, space)
+            ledger = self._ledgers[db.path] = Ledger(db.path, space, self.c.max_db_size)
         ledger.refresh()
         if ledger.needs_store_manifest():
             ledger.use_store_manifest(self._store_manifest(name))
@@ -69,10 +69,10 @@ class Packer:
 
     def _store_manifest(self, name: str) -> Optional[fmt.Manifest]:
         """The store's current manifest `name`, or None (none, unreadable)."""
-        limit = fmt.manifest_blob_limit(fmt.DEFAULT_MAX_DB_SIZE)
+        limit = fmt.manifest_blob_limit(self.c.max_db_size)
         try:
             blob = self.c._request(lambda: self.c.store.manifests.get(name, max_bytes=limit), "get manifest")
-            return fmt.decode_and_validate(blob, fetch_chunk=self.c._fetch_chunk)
+            return fmt.decode_and_validate(blob, fetch_chunk=self.c._fetch_chunk, max_db_size=self.c.max_db_size)
         except NotFound:
             return None
         except (StoreError, fmt.ManifestError, fmt.ChunkError) as e:
@@ -231,6 +231,11 @@ class Packer:
         places = self._places(db, ledger, name, m)
         m.layout = fmt.PackedLayout.build(ledger.space, places)
         packed = fmt.with_layout(raw, m.layout)
+        if len(packed) > fmt.MAX_MANIFEST_BYTES:  # past what any reader reads (Verneuil's cap)
+            m.layout = None
+            raise Unplaced("its manifest with the places of its %d chunks would be %d bytes, more than "
+                           "the %d a manifest may be: a database this large needs layout=chunks"
+                           % (len(m.chunks), len(packed), fmt.MAX_MANIFEST_BYTES))
         blob = fmt.compress_manifest(packed)
         self.c._request(lambda: self.c.store.manifests.put(name, blob), "put manifest")
         ledger.set_last(packed, m)
@@ -304,7 +309,7 @@ class Packer:
         """The staged bytes a packed manifest of the store was made from
         (its layout removed), or None if it does not decode."""
         try:
-            return fmt.strip_layout(fmt.raw_manifest(blob))
+            return fmt.strip_layout(fmt.raw_manifest(blob, self.c.max_db_size))
         except Exception:  # noqa: BLE001 - the protobuf runtime's DecodeError and friends
             return None
 
@@ -331,7 +336,8 @@ class Packer:
             state.save(known)  # claims this round for the spool's other copiers
             ledger = self.ledger(db, name)
             deleted = collect_garbage(self.c.store, name, ledger.space, ledger.protected(),
-                                      request=self.c._request, known=known, **kw)
+                                      request=self.c._request, known=known, max_db_size=self.c.max_db_size,
+                                      **kw)
             state.save(known)
         except (StoreError, fmt.ManifestError, fmt.ChunkError, OSError) as e:
             log.warning("%s: no garbage collection this time: %s", db.source() or db.path, e)

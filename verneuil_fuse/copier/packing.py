@@ -176,10 +176,12 @@ class Journal:
 class Ledger:
     """Where each chunk of one database is (see the module's docstring).
     `space` is the database's pack name space; places found in a manifest
-    of another name space are not used."""
+    of another name space are not used.  `max_db_size` bounds the manifests
+    it reads (the copier's)."""
 
-    def __init__(self, db_path: str, space: fmt.Fprint):
+    def __init__(self, db_path: str, space: fmt.Fprint, max_db_size: int = fmt.MAX_REPLICATED_DB_SIZE):
         self.space = space
+        self.max_db_size = max_db_size
         self.journal = Journal(os.path.join(db_path, sp.PACKS_DIR))
         self.last_path = os.path.join(db_path, sp.LAST_FILE)
         self.places: dict[fmt.Fprint, Place] = {}
@@ -200,7 +202,7 @@ class Ledger:
             return
         if ident != self._last_ident:
             try:
-                m = fmt.decode_and_validate(sp.read_regular(self.last_path))
+                m = fmt.decode_and_validate(sp.read_regular(self.last_path), max_db_size=self.max_db_size)
             except (OSError, fmt.ManifestError) as e:
                 log.warning("%s: unreadable (%s): ignored", self.last_path, e)
                 m = None
@@ -440,21 +442,23 @@ def plan_compaction(places: list[Optional[Place]], sizes: Callable[[fmt.Fprint],
 # -- garbage ---------------------------------------------------------------------
 
 
-def _version_packs(store, key: str, version_id: str, limit: int) -> set[str]:
+def _version_packs(store, key: str, version_id: str, max_db_size: int) -> set[str]:
     """The pack keys version `version_id` of manifest `key` names (an
     unreadable version raises: GC must not guess what it needs)."""
-    blob = store.manifests.get_version(key, version_id, max_bytes=limit)
+    blob = store.manifests.get_version(key, version_id, max_bytes=fmt.manifest_blob_limit(max_db_size))
 
     def base(fp: fmt.Fprint) -> bytes:
-        return fmt.decode_base_chunk(store.chunks.get(fp.name, max_bytes=fmt.base_chunk_blob_limit()), fp)
+        blob = store.chunks.get(fp.name, max_bytes=fmt.base_chunk_blob_limit(max_db_size))
+        return fmt.decode_base_chunk(blob, fp, max_db_size)
 
-    m = fmt.decode_and_validate(blob, fetch_chunk=base)
+    m = fmt.decode_and_validate(blob, fetch_chunk=base, max_db_size=max_db_size)
     return set(m.layout.keys()) if m.layout is not None else set()
 
 
 def collect_garbage(store, key: str, space: fmt.Fprint, protected: Iterable[str], *,
                     request: Callable = lambda fn, what: fn(), grace: float = GC_GRACE,
-                    known: Optional[dict[str, set[str]]] = None, now: Optional[float] = None) -> list[str]:
+                    known: Optional[dict[str, set[str]]] = None, now: Optional[float] = None,
+                    max_db_size: int = fmt.MAX_REPLICATED_DB_SIZE) -> list[str]:
     """Delete the packs of name space `space` that no kept version of
     manifest `key` names, that are not `protected` (the spool's), and that
     are older than `grace` seconds; the keys deleted.  `request(fn, what)`
@@ -469,7 +473,6 @@ def collect_garbage(store, key: str, space: fmt.Fprint, protected: Iterable[str]
     candidates = [o.key for o in packs if o.key not in protected and now - o.mtime >= grace]
     if not candidates:
         return []
-    limit = fmt.manifest_blob_limit(fmt.DEFAULT_MAX_DB_SIZE)
     needed: set[str] = set()
     listed: set[str] = set()
     for info in request(lambda: store.manifests.list_versions(key), "list versions"):
@@ -477,7 +480,7 @@ def collect_garbage(store, key: str, space: fmt.Fprint, protected: Iterable[str]
         keys = known.get(info.version_id)
         if keys is None:
             try:
-                keys = request(lambda: _version_packs(store, key, info.version_id, limit), "get version")
+                keys = request(lambda: _version_packs(store, key, info.version_id, max_db_size), "get version")
             except NotFound:  # expired meanwhile: it needs nothing any more
                 continue
             if info.version_id != "null":  # a "null" version is whatever is current

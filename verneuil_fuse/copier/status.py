@@ -4,9 +4,16 @@ Everything comes from the spool itself (no copier state is needed): pending
 snapshots in `ready`/`consuming`, staged chunks not yet uploaded, the age of
 the staged manifest, whether the source file moved past it; and, given a
 store, whether the store holds exactly the staged manifest.
+
+A database that stopped replicating says so (`stopped`, with the reason and
+since when; never "in sync", its lag counted from then at least): its source
+file is past `max_db_size` (the writer snapshots no such file), or a copier
+refused its manifest as past it (`copier.stopped`). Each database also
+carries its boot root's dead letters (entries, bytes, dropped).
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Optional
@@ -45,6 +52,8 @@ def _store_manifest_raw(store, name: str, staged: bytes) -> Optional[bytes]:
     writer staged)."""
     staged_frame_bound = len(staged) + (len(staged) >> 8) + fmt.manifest.ZSTD_FRAME_SLACK
     bound = max(fmt.manifest_blob_limit(fmt.DEFAULT_MAX_DB_SIZE), staged_frame_bound)
+    if getattr(store, "layout", "chunks") == "packed":  # the layout adds at most 27 bytes to 16 a chunk
+        bound = max(bound, min(fmt.MAX_MANIFEST_BYTES, 3 * staged_frame_bound))
     try:
         blob = store.manifests.get(name, max_bytes=bound)
     except NotFound:
@@ -53,7 +62,7 @@ def _store_manifest_raw(store, name: str, staged: bytes) -> Optional[bytes]:
         return b""
     if getattr(store, "layout", "chunks") == "packed":
         try:
-            return fmt.strip_layout(fmt.raw_manifest(blob))
+            return fmt.strip_layout(fmt.raw_manifest(blob, fmt.MAX_REPLICATED_DB_SIZE))
         except Exception:  # noqa: BLE001 - ManifestError, the protobuf runtime's DecodeError
             return b""
     if blob.startswith(fmt.ZSTD_MAGIC):
@@ -86,10 +95,33 @@ def source_uses_wal(source: Optional[str]) -> Optional[bool]:
     return header[_WAL_VERSION_BYTES] == b"\x02\x02"
 
 
-def db_status(db: sp.DbDir, store=None) -> dict:
+def _stopped(db: sp.DbDir, source: Optional[str], max_db_size: int) -> Optional[dict]:
+    """Why and since when `db` stopped replicating (None: it did not)."""
+    try:
+        size = os.stat(source).st_size if source else None
+    except OSError:
+        size = None
+    try:
+        record = json.loads(sp.read_regular(db.sub(sp.STOPPED_FILE), 4096))
+        since = float(record["since"])
+        reason = "a copier refused it: %s" % record.get("reason", "past max_db_size")
+    except (OSError, ValueError, KeyError, TypeError):
+        since, reason = None, None
+    if reason is not None:
+        return {"reason": reason, "since": since}
+    if size is not None and size > max_db_size:
+        return {"reason": "the source is %s (%d bytes), past max_db_size (%s): the writer does not "
+                          "replicate it" % (fmt.format_size(size), size, fmt.format_size(max_db_size)),
+                "since": None}
+    return None
+
+
+def db_status(db: sp.DbDir, store=None, max_db_size: int = fmt.MAX_REPLICATED_DB_SIZE) -> dict:
     now = time.time()
     source = db.source()
     info: dict = {"dbdir": db.name, "source": source, "wal": source_uses_wal(source)}
+    info["stopped"] = _stopped(db, source, max_db_size)
+    info["dead_letters"] = sp.dead_letters(os.path.join(db.root, sp.DEAD_LETTER))
     staged_files, staged_bytes = sp.tree_size(db.sub(sp.STAGING, sp.CHUNKS))
     info["staged_chunks"] = staged_files
     info["staged_chunk_bytes"] = staged_bytes
@@ -119,6 +151,7 @@ def db_status(db: sp.DbDir, store=None) -> dict:
         if m is not None:
             entry["len"] = m.len
             entry["chunks"] = len(m.chunks)
+            entry["past_bound"] = m.len > max_db_size
             if source:
                 try:
                     with open(source, "rb") as f:
@@ -137,11 +170,19 @@ def db_status(db: sp.DbDir, store=None) -> dict:
     # writer that does not use the VFS. Not in sync, whatever the store holds.
     changed = [e["age"] for e in manifests if e.get("source_changed")]
     info["source_changed"] = bool(changed)
-    # Lag: how old the oldest snapshot not yet in the store is (0 if in sync).
+    # Lag: how old the oldest snapshot not yet in the store is (0 if in sync);
+    # for a database that stopped, at least since when it did.
     ages = [s["age"] for s in info["ready"] + info["consuming"]] + changed
+    stopped = info["stopped"]
+    if stopped is not None and stopped["since"] is not None:
+        ages.append(max(0.0, now - stopped["since"]))
+    # No snapshot at all yet (a WAL database, a spool directory the writer
+    # made before its first snapshot): never in sync, nothing to ship.
+    info["snapshotted"] = bool(manifests or info["ready"] or info["consuming"])
     if store is not None:
         ages += [e["age"] for e in manifests if e.get("in_store") != "current"]
-        in_sync = not ages and staged_files == 0 and all(e.get("in_store") == "current" for e in manifests)
+        in_sync = bool(info["snapshotted"] and not ages and staged_files == 0 and stopped is None
+                       and all(e.get("in_store") == "current" for e in manifests))
         info["lag"] = 0.0 if in_sync else (max(ages) if ages else None)
         info["in_sync"] = in_sync
     else:
@@ -155,7 +196,7 @@ def db_status(db: sp.DbDir, store=None) -> dict:
     return info
 
 
-def spool_status(spool_dir: str, store=None) -> list[dict]:
+def spool_status(spool_dir: str, store=None, max_db_size: int = fmt.MAX_REPLICATED_DB_SIZE) -> list[dict]:
     sp.check_spool(spool_dir)
-    return [db_status(db, store) for root in sp.boot_roots(spool_dir)[0]
+    return [db_status(db, store, max_db_size) for root in sp.boot_roots(spool_dir)[0]
             for db in sp.list_dbdirs(root)]

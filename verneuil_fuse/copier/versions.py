@@ -1,8 +1,8 @@
 """The versions of a database in the store, read for `verneuilctl versions`
 and `restore --at`: each version's manifest fetched and decoded, its time
 (`history.version_time_ns`), its chunks checked for presence, and the
-version current at a given time found by `history.newest_at`'s binary
-search. Blocking: worker threads from `pool.DaemonPool`."""
+version current at a given time found by `history.newest_at` (back from
+the newest version). Blocking: worker threads from `pool.DaemonPool`."""
 from __future__ import annotations
 
 import dataclasses
@@ -112,7 +112,8 @@ def check_chunks(store, versions: list[Version], *, workers: int) -> None:
 
 def version_at(store, key: str, at_ns: int, *, max_db_size: int) -> tuple[Optional[Version], list]:
     """(the version current at `at_ns` or None, every VersionInfo oldest
-    first), reading O(log n) manifests."""
+    first), reading the manifests of the versions from the newest back to
+    the one chosen."""
     infos = list_history(store, key)
     loaded: dict[int, Version] = {}
 

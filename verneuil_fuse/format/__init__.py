@@ -9,7 +9,7 @@ Verneuil on every byte.
 """
 from .manifest import (CHUNK_ZSTD_LEVEL, DEFAULT_MAX_DB_SIZE, GENERATED_BY,
                        MANIFEST_ZSTD_LEVEL, MAX_CHUNK_BLOB_BYTES,
-                       MAX_MANIFEST_BYTES, ZSTD_MAGIC, ChunkError, ChunkList,
+                       MAX_MANIFEST_BYTES, MAX_REPLICATED_DB_SIZE, ZSTD_MAGIC, ChunkError, ChunkList,
                        Manifest, ManifestError, base_chunk_blob_limit,
                        base_chunk_limit, chunk_count, chunk_mismatch, compress_chunk,
                        compress_manifest, contents_fprint_of, decode_and_validate,

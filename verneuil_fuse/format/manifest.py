@@ -55,6 +55,17 @@ MANIFEST_BUNDLED_ALLOWANCE = 2 << 20
 # free-form tags without mattering next to the chunk list.
 MANIFEST_OTHER_ALLOWANCE = 64 << 10
 
+# The largest database replicated: the writer snapshots no larger file
+# (csrc/tracker.h, VN_MAX_DB_SIZE, the same formula), copiers refuse a
+# larger manifest and `verneuilctl lag` calls such a database stopped. It is
+# the largest whose manifest fits MAX_MANIFEST_BYTES with room for the
+# bundled chunks and the other fields, at 16 bytes per chunk: about 1.5 TiB.
+# VERNEUIL_CONFIG's `max_db_size` lowers it for all three (never raises it).
+# A mount serves up to its own `max_db_size=` (DEFAULT_MAX_DB_SIZE), a bound
+# on what a store can make it allocate.
+MAX_REPLICATED_DB_SIZE = ((MAX_MANIFEST_BYTES - MANIFEST_BUNDLED_ALLOWANCE - MANIFEST_OTHER_ALLOWANCE)
+                          // MANIFEST_BYTES_PER_CHUNK * CHUNK_SIZE)
+
 # A zstd frame may be a little longer than its content (incompressible
 # data): ZSTD_COMPRESSBOUND(n) = n + n/256 + at most 64 bytes below 128 KiB;
 # this covers the constant part and the frame header.

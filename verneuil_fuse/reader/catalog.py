@@ -50,7 +50,8 @@ time `history.parse_time` reads) in a database's directory is resolved on
 lookup only (never listed) to a pinned replica of the version current at that
 time (`past.PastStates`); an unknown database, a time no version is as old
 as, or a name that is not a time is ENOENT. Real entries win: a database
-whose own name holds an ``@`` is found as itself.
+whose own name holds an ``@`` is found as itself, also before a poll listed
+it (the name is looked up in the store first, as any unlisted name).
 
 Hydration (``hydrate``): each database's newest version is fetched into the
 disk cache in the background; one that could not fetch every chunk is tried
@@ -238,8 +239,12 @@ class Catalog:
         manifest_cache: ManifestCache | None = None,
         decoded_limit: int = DECODED_MANIFESTS,
         extra_stats: Callable[[], dict] | None = None,
+        subdir: str = "",
     ):
         self.fetcher = fetcher
+        # The directory of the whole tree (/<host>/<path...>) this catalog
+        # shows as its root, as components; [] for the whole tree.
+        self.subdir = [p for p in subdir.split("/") if p]
         self.refresh_interval = refresh_interval
         self.prefetch = prefetch or PrefetchConfig()
         self.hydrate = hydrate
@@ -260,7 +265,13 @@ class Catalog:
         self._bad: dict[str, tuple[int, float, float]] = {}
         self.last_poll = 0.0
         self.versions_seen = 0
-        self.counts = dict.fromkeys(("loads", "unparks", "parks", "stale", "direct_lookups", "direct_found"), 0)
+        self.counts = dict.fromkeys(("loads", "unparks", "parks", "stale", "direct_lookups", "direct_found",
+                                    "cache_dropped"), 0)
+        # Per database (manifest key), since the mount started: opens, and
+        # [reads, read bytes, preloaded bytes] of the versions no longer held
+        # (`_retire`); the stats add those of the versions held.
+        self._opens_total: dict[str, int] = {}
+        self._retired: dict[str, list[int]] = {}
         # Decoded versions, least recently used first (see `decoded_limit`).
         self._decoded: OrderedDict[int, Replica] = OrderedDict()
         # Loads under way, by inode: later lookups wait for the first.
@@ -413,6 +424,7 @@ class Catalog:
 
     def opened(self, replica: Replica) -> None:
         replica.opens += 1
+        self._opens_total[replica.key] = self._opens_total.get(replica.key, 0) + 1
         if replica.inode in self._decoded:
             self._decoded.move_to_end(replica.inode)
 
@@ -430,9 +442,20 @@ class Catalog:
         if node.lookups <= 0 and node.opens <= 0 and not self._is_current(node):
             if self.inodes.get(node.inode) is node:
                 del self.inodes[node.inode]
+                self._retire(node)
             self._decoded.pop(node.inode, None)
             if isinstance(node, Replica):
                 self.past.forget(node)
+
+    def _retire(self, node: Replica | Parked) -> None:
+        """A version leaves the catalog: its counters join its database's
+        running totals (`stats`' ``since_mount``), and start again from 0
+        should it come back (a past state held again)."""
+        total = self._retired.setdefault(node.key, [0, 0, 0])
+        total[0] += node.reads
+        total[1] += node.read_bytes
+        total[2] += node.preloaded
+        node.reads = node.read_bytes = node.preloaded = 0
 
     # ------------------------------------------------------- decoded versions
     def _keep_decoded(self, replica: Replica) -> None:
@@ -465,16 +488,10 @@ class Catalog:
         """Decode a parked version again (from the manifest cache, else the
         store); Stale when neither has that version any more."""
         self.counts["unparks"] += 1
-        blob = None
         cached = await self._cache_get(parked.key)
-        if cached is not None and cached.version == parked.version:
-            blob = cached.blob
         manifest = None
-        if blob is not None:
-            try:
-                manifest = await self.fetcher.decode_manifest(blob)
-            except (ManifestError, TooLarge) as e:
-                log.warning("manifest cache: %s does not decode (%s); read from the store", parked.path, e)
+        if cached is not None and cached.version == parked.version:
+            manifest = await self._decode_cached(parked.key, parked.path, cached.blob)
         if manifest is None:
             try:
                 blob = await self._fetch_blob(parked.key)
@@ -502,19 +519,23 @@ class Catalog:
         from the manifest cache when it holds the listed blob; install it as
         the entry's newest version. False when it is not valid."""
         self.counts["loads"] += 1
+        path = os.path.join(entry.parent.path, entry.name)
         cached = await self._cache_get(entry.key)
-        fetched_at = 0.0
+        manifest = None
         blob = None
+        fetched_at = 0.0
         if (cached is not None and (cached.size, cached.mtime) == (entry.size, entry.listed_mtime)
                 and cached.fetched_at - cached.mtime >= SETTLE_SECONDS):
-            blob, fetched_at = cached.blob, cached.fetched_at
+            manifest = await self._decode_cached(entry.key, path, cached.blob)
+            if manifest is not None:
+                blob, fetched_at = cached.blob, cached.fetched_at
         try:
-            if blob is None:
+            if manifest is None:
                 blob = await self._fetch_blob(entry.key)
                 fetched_at = self.clock()
-            manifest = await self.fetcher.decode_manifest(blob)
+                manifest = await self.fetcher.decode_manifest(blob)
         except NotFound:
-            log.info("database %s is gone from the store", os.path.join(entry.parent.path, entry.name))
+            log.info("database %s is gone from the store", path)
             self._remove(entry.key)
             return False
         except (ManifestError, TooLarge) as e:
@@ -538,6 +559,20 @@ class Catalog:
         except StoreError as e:
             raise FetchError("manifest %s: %s" % (key, e)) from None
 
+    async def _decode_cached(self, key: str, path: str, blob: bytes) -> Any:
+        """The manifest a blob of the manifest cache decodes to; None when
+        it does not (a damaged local copy, never the store's answer): the
+        entry is dropped and logged, and the caller asks the store."""
+        try:
+            return await self.fetcher.decode_manifest(blob)
+        except (ManifestError, TooLarge) as e:
+            self.counts["cache_dropped"] += 1
+            log.warning("manifest cache: the copy of %s does not decode (%s): dropped, read from the store",
+                        path, e)
+            assert self.manifest_cache is not None
+            await trio.to_thread.run_sync(self.manifest_cache.drop, key)
+            return None
+
     async def _cache_get(self, key: str) -> Cached | None:
         if self.manifest_cache is None:
             return None
@@ -554,14 +589,20 @@ class Catalog:
         GET): found, it joins the tree at once. Only in a host's directories,
         not for SQLite's own side files (a writer never replicates them,
         and a reader asks for them at every transaction), and once per name
-        between two polls."""
+        between two polls. A name with an ``@`` is looked up too, before
+        it may be read as a past state (a real database always wins): a
+        store failure then raises FetchError rather than let the past
+        state of another database answer."""
         parts = []
         node: Directory | None = parent
         while node is not None and node.parent is not None:
             parts.append(node.name)
             node = node.parent
         parts.reverse()
-        if not parts or parts[0] == CONTROL_DIR or name.endswith(SQLITE_SIDE_FILES) or "@" in name:
+        if (parts and parts[0] == CONTROL_DIR) or name.endswith(SQLITE_SIDE_FILES):
+            return None
+        parts = self.subdir + parts
+        if not parts:
             return None
         path = "/" + "/".join(parts[1:] + [name])
         key = key_of(parts[0], parts[1:] + [name])
@@ -581,6 +622,8 @@ class Catalog:
             return None
         except FetchError as e:
             log.warning("lookup of %s in the store: %s", path, e)
+            if "@" in name:
+                raise
             return None
         entry = self._add(key, len(blob), UNLISTED_MTIME)
         if entry is None:
@@ -600,15 +643,25 @@ class Catalog:
 
     # ----------------------------------------------------------------- refresh
     def _place(self, key: str) -> tuple[Directory, str] | None:
+        """The directory and name where `key` is shown, or None: outside
+        ``subdir`` (silently), or a key that cannot be shown (warned)."""
         where = display_path(key)
         if where is None:
+            if self.subdir:
+                return None
             other = self._mkdir(self._control, "other")
             return other, key
         host, parts = where
         if not parts:
             log.warning("manifest %s names no file; skipped", key)
             return None
-        d = self._mkdir(self.root, host)
+        parts = [host] + parts
+        if self.subdir:
+            n = len(self.subdir)
+            if parts[:n] != self.subdir or len(parts) == n or parts[n] == CONTROL_DIR:
+                return None
+            parts = parts[n:]
+        d = self.root
         for part in parts[:-1]:
             node = d.entries.get(part)
             if isinstance(node, DbEntry):
@@ -914,9 +967,15 @@ class Catalog:
         under hydration: a mount of 100,000 databases renders its stats in
         milliseconds, not seconds."""
         old_open: dict[str, int] = {}
+        held: dict[str, list[int]] = {}  # reads, read bytes, preloaded bytes of the versions held
         for node in self.inodes.values():
-            if isinstance(node, (Replica, Parked)) and not self._is_current(node):
-                old_open[node.key] = old_open.get(node.key, 0) + 1
+            if isinstance(node, (Replica, Parked)):
+                counts = held.setdefault(node.key, [0, 0, 0])
+                counts[0] += node.reads
+                counts[1] += node.read_bytes
+                counts[2] += node.preloaded
+                if not self._is_current(node):
+                    old_open[node.key] = old_open.get(node.key, 0) + 1
         dbs = {}
         for entry in self.entries.values():
             h = self._hydrations.get(entry.key)
@@ -927,6 +986,9 @@ class Catalog:
             else:  # known by name, or parked: counted in "catalog" only
                 continue
             d["old_versions_open"] = old_open.get(entry.key, 0)
+            totals = [a + b for a, b in zip(held.get(entry.key, (0, 0, 0)), self._retired.get(entry.key, (0, 0, 0)))]
+            d["since_mount"] = {"opens": self._opens_total.get(entry.key, 0), "reads": totals[0],
+                                "read_bytes": totals[1], "preloaded": totals[2]}
             if h is not None:
                 d["hydration"] = h.describe()
             dbs[d["path"]] = d
@@ -956,11 +1018,18 @@ class Catalog:
         return (json.dumps(self.stats(), indent=1, sort_keys=True) + "\n").encode()
 
     def render_metrics(self) -> bytes:
-        """`stats` in Prometheus' text format: one series per number, the
-        databases labelled by path, ``verneuil_mount_info`` naming the mount."""
+        """`stats` in Prometheus' text format (`metrics.MOUNT_SERIES`), the
+        databases labelled by host and source path; ``verneuil_mount_info``
+        names the mount, ``verneuil_mount_settings_info`` holds its settings."""
         stats = self.stats()
         mount = stats.get("mount", {})
-        info = {"version": __version__, "source": str(mount.get("source", "")),
-                "mountpoint": str(mount.get("mountpoint", ""))}
-        return metrics.render(metrics.families("verneuil", stats, metrics.MOUNT_GAUGES,
-                                               {"databases": "path"}, ("mount", info)))
+        info = {"version": __version__, "source": mount.get("source"), "mountpoint": mount.get("mountpoint"),
+                "pid": mount.get("pid"), "cache_dir": mount.get("cache_dir")}
+        store = stats["fetch"]["store"]
+        settings = {"refresh_interval_seconds": self.refresh_interval, "deadline_seconds": store["deadline"],
+                    "max_db_size_bytes": store["max_db_size"], "decoded_limit": self.decoded_limit,
+                    "disk_cache_limit_bytes": stats["fetch"].get("disk_cache", {}).get("limit", 0)}
+        labels = {"databases": lambda path, d: metrics.database_labels(d.get("key", ""), path)}
+        return metrics.render([metrics.info_family("verneuil_mount_info", "what this mount is", info),
+                               metrics.info_family("verneuil_mount_settings_info", "the mount's settings", settings)]
+                              + metrics.families(stats, metrics.MOUNT_SERIES, labels))

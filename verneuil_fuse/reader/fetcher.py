@@ -67,6 +67,7 @@ from verneuil_fuse.format import (
 )
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache, MemoryLRU
 from verneuil_fuse.reader.flights import DONE, TASK, EnginePath, Flight, store_chunk
+from verneuil_fuse.reader.throttle import AdaptiveLimit, is_congestion
 from verneuil_fuse.store import NotFound, StoreError, TooLarge, read_chunk
 from verneuil_fuse.store.retry import Backoff, retry, retry_async
 
@@ -96,8 +97,10 @@ CACHE_THREADS = 8
 # Blocking metadata calls at once (listings, manifest GETs and decodes):
 # a poll or a few lookups, not a scan's worth.
 META_THREADS = 4
-# Retries of a GET wait ``backoff`` seconds, then twice as long ... (no
-# jitter: a read waits for them, and the deadline bounds them) ...
+# Retries of a GET wait up to ``backoff`` seconds, then up to twice as long
+# ... ("full jitter": a random time below that bound, so that the GETs a
+# store refused together do not come back together; the deadline bounds
+# them) ...
 DEFAULT_BACKOFF = 0.05
 # ... but never more than this between two attempts.
 BACKOFF_CAP = 2.0
@@ -133,6 +136,7 @@ STAT_NAMES = (
     "lists",
     "too_large",  # objects larger than their bound, never read
     "failed_fast",  # demand reads answered from a recent give-up
+    "prefetch_throttled",  # prefetch hints dropped while the store throttles
 )
 
 # A chunk fetched for a read stays in memory at least this long and among the
@@ -248,8 +252,10 @@ class Fetcher:
         if concurrency is None:
             threads = not callable(getattr(self.store.chunks, "direct_gets", None))
             concurrency = DEFAULT_THREAD_CONCURRENCY if threads else DEFAULT_CONCURRENCY
-        # Store I/O (GET + decode in one thread hop).
+        # Store I/O (GET + decode in one thread hop), its size adapting to the
+        # store's throttling (`throttle.AdaptiveLimit`).
         self.io_limiter = trio.CapacityLimiter(concurrency)
+        self.limit = AdaptiveLimit(self.io_limiter)
         # Prefetches hold one of these while they fetch: demand keeps the rest.
         if prefetch_concurrency is None:
             prefetch_concurrency = max(1, concurrency * 3 // 4)
@@ -284,7 +290,7 @@ class Fetcher:
 
     def _retry_schedule(self) -> Backoff:
         """The waits between a GET's attempts (`store.retry`)."""
-        return Backoff(base=self.backoff, cap=BACKOFF_CAP, attempts=self.retries + 1, jitter=False)
+        return Backoff(base=self.backoff, cap=BACKOFF_CAP, attempts=self.retries + 1)
 
     # ------------------------------------------------------------------ setup
     def bind(self, nursery: trio.Nursery, writes: trio.Nursery | None = None) -> None:
@@ -558,6 +564,7 @@ class Fetcher:
         started = 0
         to_advise: list[Fprint] = []
         cache = self.cache
+        paused = fetch and self.limit.paused  # the store throttles: its GETs go to demand reads
         for k, fp in enumerate(fps):
             if fp in self.mem or fp in self._inflight:
                 if fetch:
@@ -571,6 +578,9 @@ class Fetcher:
             if not fetch:
                 continue
             self.stats["prefetch_requested"] += 1
+            if paused:
+                self.stats["prefetch_throttled"] += 1
+                continue
             if self._prefetch_flights >= self.max_prefetch_flights:
                 self.stats["prefetch_dropped"] += 1
                 continue
@@ -844,7 +854,13 @@ class Fetcher:
 
         async def sleep(delay: float) -> None:
             self.stats["retries"] += 1
-            await trio.sleep(delay)
+            if last is not None and is_congestion(last):
+                try:
+                    await self.limit.hold(delay)  # a throttled GET's wait takes a GET's place
+                finally:
+                    self._engine.pump()  # the place given back may let a queued flight go
+            else:
+                await trio.sleep(delay)
 
         with trio.move_on_at(flight.deadline) as deadline:
             try:
@@ -879,16 +895,19 @@ class Fetcher:
                                                                abandon_on_cancel=True, limiter=self.thread_limiter)
             finally:
                 self.io_limiter.release()
+                self._engine.pump()  # flights queued for the engine may go now
         except trio.TooSlowError:
             error: BaseException = TimeoutError("GET %s timed out after %.1fs" % (name, self.timeout))
         except _GET_FAILURES as e:
             error = e
         else:
             size, data = answer
+            self.limit.answered(None)
             self.stats["get_bytes"] += size
             log.debug("GET %s: %d bytes in %.3fs", name, size, time.monotonic() - start)
             self._store_answered()
             return data
+        self.limit.answered(error)
         self._count_get_error(name, error, attempt, time.monotonic() - start)
         raise error
 
@@ -920,6 +939,7 @@ class Fetcher:
         slots given back). Bytes finish the flight; an error worth a retry
         hands it to a task (`_fly`), any other (or the last) fails it."""
         name = chunk_name(flight.fp)
+        self.limit.answered(result if isinstance(result, BaseException) else None)
         if not isinstance(result, BaseException):
             self.stats["get_bytes"] += size
             self._store_answered()
@@ -985,6 +1005,11 @@ class Fetcher:
             "deadline": self.deadline,
             "max_db_size": self.max_db_size,
         }
+        keeper = getattr(self.store.chunks, "credentials", None)
+        if keeper is not None:
+            out["store"]["credentials"] = keeper.describe()
+        out["engine_path"] = self._engine.available
+        out["throttle"] = self.limit.describe()
         if self.cache is not None:
             out["disk_cache"] = self.cache.describe()
         return out

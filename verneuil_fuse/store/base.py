@@ -76,6 +76,16 @@ class TransientError(StoreError):
     """A failure that may go away on retry: 5xx, throttling, timeouts, network."""
 
 
+class Throttled(TransientError):
+    """The store asks for fewer requests (S3's 503 SlowDown, ServiceUnavailable,
+    429): a caller with many in flight sends fewer."""
+
+
+class TimedOut(TransientError):
+    """No answer within the request's time limit (a store overloaded, or a
+    network that lost it)."""
+
+
 class TooLarge(StoreError):
     """The object is larger than the caller's bound (`max_bytes`); it was not
     read.  Not transient: whoever wrote it must replace it, or the caller
