@@ -213,7 +213,9 @@ def test_copier_converges_through_faults(fenv):
         fenv.proxy.clear()
     stats = bg.stats
     total = fenv.proxy.count()
-    assert faulted >= 10, faulted  # the faults really happened
+    # The faults really happened (the packed layout sends one PUT for many
+    # chunks: a few dozen requests in all, so fewer of them fail).
+    assert faulted >= (10 if fenv.layout == "chunks" else 5), faulted
     if fenv.layout == "chunks":
         assert on_engine["stored"] > 0 and on_engine["failed"] > 0, on_engine
     else:  # packs go through the copier's retries, one PUT each
