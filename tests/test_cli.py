@@ -25,7 +25,7 @@ VECTORS = pathlib.Path(__file__).parent / "data" / "umash_verneuil.json"
 CTL = [sys.executable, "-m", "verneuil_fuse.cli"]
 # Every subcommand, in the order `verneuilctl --help` lists them.
 SUBCOMMANDS = ["fingerprint", "manifest-name", "sqlite-extension", "copier", "flush", "sync",
-               "restore", "versions", "ls", "manifest", "lag", "repair", "query"]
+               "restore", "versions", "ls", "manifest", "lag", "repair", "convert", "query"]
 
 
 @pytest.fixture(scope="module")

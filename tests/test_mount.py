@@ -1,5 +1,7 @@
 """Real FUSE mounts: one mount per store kind (a directory, and S3 through
-moto's server), many checks on each.
+moto's server), many checks on each; each store holds databases in both
+layouts (Verneuil's, and packed: docs/FORMAT.md, "Packed layout"), read
+alike without being told.
 
 Every wait is bounded; teardown always unmounts (`fusermount3 -u -z`) and
 ends the process it started, by PID.
@@ -39,6 +41,8 @@ if fuse_unavailable():
     pytestmark.append(pytest.mark.skip(reason=fuse_unavailable()))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Packs of the packed databases: 256 KiB, so that a database has a few.
+PACK = 256 << 10
 
 
 class Env:
@@ -68,8 +72,9 @@ class Env:
             self.sources[where] = f.read()
         return where
 
-    def add_bytes(self, data: bytes, path: str, *, host: str = HOST, compress: bool = True) -> str:
-        publish(self.store, data, path, hostname=host, compress=compress)
+    def add_bytes(self, data: bytes, path: str, *, host: str = HOST, compress: bool = True,
+                  packed: int = 0) -> str:
+        publish(self.store, data, path, hostname=host, compress=compress, packed=packed)
         where = "/%s%s" % (host, path)
         self.sources[where] = data
         return where
@@ -98,7 +103,10 @@ def env(request, tmp_path_factory):
     e.add_db("v.db", 3000, seed=6)
     e.add_db("gone.db", 100, seed=7)
     e.add_bytes(os.urandom(3 * CHUNK_SIZE + 17), "/data/raw.db", compress=False)  # chunks stored raw
-    # Damaged replicas: one chunk corrupted, one chunk missing.
+    make_db(os.path.join(root, "packed-src.db"), 12000, seed=9)
+    e.add_bytes(open(os.path.join(root, "packed-src.db"), "rb").read(), "/data/packed.db", packed=PACK)
+    # Damaged replicas: one chunk corrupted, one chunk missing (damaged packs:
+    # tests/test_mount_hostile.py).
     for name in ("corrupt.db", "missing.db"):
         data = os.urandom(5 * CHUNK_SIZE)
         where = e.add_bytes(b"SQLite format 3\x00" + data[16:], "/data/" + name)
@@ -149,12 +157,13 @@ def test_tree_and_attributes(env):
 
 def test_bytes_equal_source(env):
     for where in ("/%s/data/big.db" % HOST, "/%s/data/small.db" % HOST, "/other-host/data/x.db",
-                  "/%s/data/raw.db" % HOST):
+                  "/%s/data/raw.db" % HOST, "/%s/data/packed.db" % HOST):
         assert _read(env.mount.path(where)) == env.sources[where]
 
 
-def test_sqlite_shell_and_python(env):
-    path = env.mount.path(HOST, "data", "big.db")
+@pytest.mark.parametrize("name", ["big.db", "packed.db"])
+def test_sqlite_shell_and_python(env, name):
+    path = env.mount.path(HOST, "data", name)
     out = subprocess.run(
         ["sqlite3", "file:%s?mode=ro" % path, "PRAGMA integrity_check; SELECT count(*) FROM t;"],
         capture_output=True, text=True, timeout=60,
@@ -479,7 +488,7 @@ def test_bad_chunk_is_a_remote_io_error_never_wrong_bytes(env, name):
 
 
 def test_concurrent_random_reads(env):
-    wheres = ["/%s/data/%s" % (HOST, n) for n in ("big.db", "small.db", "point.db", "seq.db")]
+    wheres = ["/%s/data/%s" % (HOST, n) for n in ("big.db", "small.db", "point.db", "seq.db", "packed.db")]
     wheres.append("/other-host/data/x.db")
     errors: list[str] = []
     counts = [0] * 16

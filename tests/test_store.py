@@ -877,6 +877,26 @@ def test_open_store_s3_forms(aws_env, monkeypatch):
     assert store_target(parse_config(target_url_of(custom))) == custom
 
 
+def test_layout_in_urls_and_configs(tmp_path):
+    """`layout=packed` in a file:// or s3:// URL and in a target of
+    VERNEUIL_CONFIG; chunks (Verneuil's) by default, and then absent from
+    the canonical URL."""
+    d = str(tmp_path / "st")
+    for spec in ("file://%s?layout=packed" % d, {"directory": {"path": d, "layout": "packed"}},
+                 {"replication_targets": [{"local": {"directory": "/c"}},
+                                          {"directory": {"path": d, "layout": "packed"}}]}):
+        store = open_store(spec)
+        assert store.layout == "packed" and store.url == "file://%s?layout=packed" % d
+        assert open_store(store.url).layout == "packed"
+    plain = open_store("file://%s" % d)
+    assert plain.layout == "chunks" and "layout=" not in plain.url
+    assert open_store("file://%s?layout=chunks" % d).url == plain.url
+    target = store_target(parse_config("s3://c?manifest_bucket=m&layout=packed"))
+    assert target["layout"] == "packed" and "layout=packed" in target_url_of(target)
+    assert store_target(parse_config({"s3": {"chunk_bucket": "c", "layout": "packed"}}))["layout"] == "packed"
+    assert store_target(parse_config("s3://c"))["layout"] == "chunks"
+
+
 def target_url_of(target):
     from verneuil_fuse.store import target_url
 
@@ -899,6 +919,9 @@ BAD_SPECS = [
     ("s3://b?endpoint=", "empty"),
     ("s3://b?addressing=sideways", "addressing"),
     ("s3://b?colour=blue", "unknown s3 URL parameter"),
+    ("s3://b?layout=zip", "layout must be chunks or packed"),
+    ("file:///d?layout=", "layout must be chunks or packed"),
+    ({"directory": {"path": "/d", "layout": 1}}, "layout must be chunks or packed"),
     ("s3://b?chunk_prefix=x/&manifest_prefix=x/", "share"),
     ("@/nonexistent/config.json", "cannot read"),
     ("@", "followed by"),

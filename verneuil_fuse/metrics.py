@@ -241,7 +241,10 @@ COPIER_SERIES: tuple[Series, ...] = tuple(
         "manifests_skipped": "staged manifests the store already held",
         "dead_letters": "spool entries moved to dead-letter/", "touches": "live chunks touched",
         "touch_missing": "live chunks the store no longer had when touched",
-        "errors": "passes or uploads that failed", "requests": "store requests"})
+        "errors": "passes or uploads that failed", "requests": "store requests",
+        "packs_uploaded": "packs uploaded (packed layout; chunks_uploaded counts their chunks)",
+        "chunks_repacked": "chunks packed again by compaction (packed layout)",
+        "packs_deleted": "packs no kept version needs, deleted (packed layout)"})
     + [
         _s("copier.chunk_bytes_raw", "verneuil_copier_chunk_uncompressed_bytes_total", COUNTER,
            "bytes of the chunks uploaded, before compression"),

@@ -14,6 +14,7 @@ Subcommands (each has --help):
   manifest       decode one manifest
   lag            how far each database in a spool is behind
   repair         upload again, from the source files, chunks a store has lost
+  convert        rewrite databases in the other store layout (packed / chunks)
   query          one SQL query over many databases (a mount, a glob) with Spark
 
 Common flags mean the same everywhere: --store (URL, path, @config.json or
@@ -25,7 +26,7 @@ The package, one module per area: parser (the command line), common (what
 the commands share: store, spool, manifest, output), tools (fingerprint,
 manifest-name, sqlite-extension), copier_cmds (copier, flush, sync, lag),
 store_cmds (ls, manifest, restore), history_cmds (versions, restore --at),
-repair_cmds (repair), query (query, with Spark); this module runs one
+repair_cmds (repair), convert_cmds (convert), query (query, with Spark); this module runs one
 command: main() parses, sets up logging and turns every error into one line
 on stderr and an exit code (verneuil_fuse/errors.py).
 """

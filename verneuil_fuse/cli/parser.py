@@ -9,6 +9,7 @@ import re
 from typing import NamedTuple
 
 from .. import __version__
+from .convert_cmds import cmd_convert
 from .copier_cmds import (DEFAULT_MAX_LAG, EXIT_LAGGING, FLUSH_STALL_SECONDS, FLUSH_WORKERS, cmd_copier,
                           cmd_flush, cmd_lag, cmd_sync)
 from .history_cmds import EXIT_INCOMPLETE, cmd_versions
@@ -73,6 +74,15 @@ def _byte_size(text: str) -> int:
     if size <= 0:
         raise argparse.ArgumentTypeError("%r: the size must be more than 0" % text)
     return size
+
+
+def _add_one_database(p: argparse.ArgumentParser) -> None:
+    """The options that name one database in the store (`versions`,
+    `convert`): by host and path, or by manifest name."""
+    p.add_argument("--hostname", help="host the database lives on (default: this one)")
+    p.add_argument("-s", "--source-path", metavar="PATH",
+                   help="path of the database on its host (made canonical without --hostname)")
+    p.add_argument("-m", "--manifest", metavar="NAME", help="manifest blob name")
 
 
 def _add_max_db_size(p: argparse.ArgumentParser) -> None:
@@ -250,10 +260,7 @@ def _add_versions(sub, parents: _Parents) -> None:
                                    "the store still holds every chunk it needs. Exit %d when "
                                    "the latest version misses chunks or cannot be read (the "
                                    "database cannot be restored as it is now)." % EXIT_INCOMPLETE)
-    p.add_argument("--hostname", help="host the database lives on (default: this one)")
-    p.add_argument("-s", "--source-path", metavar="PATH",
-                   help="path of the database on its host (made canonical without --hostname)")
-    p.add_argument("-m", "--manifest", metavar="NAME", help="manifest blob name")
+    _add_one_database(p)
     p.add_argument("--json", action="store_true", help="JSON output (a list, oldest first)")
     p.add_argument("--no-check", action="store_true",
                    help="do not check that the chunks are present (one request per distinct "
@@ -331,6 +338,26 @@ def _add_repair(sub, parents: _Parents) -> None:
     p.set_defaults(func=cmd_repair)
 
 
+def _add_convert(sub, parents: _Parents) -> None:
+    p = sub.add_parser("convert", parents=[parents.common, parents.store],
+                       help="rewrite databases in the other store layout (packed, or Verneuil's chunks)",
+                       description="Rewrite the current version of one database (-s PATH or -m NAME), "
+                                   "or of every database of the store (--all), in the layout --to "
+                                   "names: 'packed' (many chunks per object, read by range) or "
+                                   "'chunks' (Verneuil's: one object per chunk, which Verneuil's "
+                                   "readers need). Every chunk is verified on the way; the new "
+                                   "manifest is uploaded last, as a new version. Resumable: run it "
+                                   "again after an interruption. Stop the copiers of those databases "
+                                   "first (or give them the new layout=), or their next upload "
+                                   "is in their own layout again.")
+    p.add_argument("--to", required=True, choices=("packed", "chunks"), help="the layout to convert to")
+    _add_one_database(p)
+    p.add_argument("--all", action="store_true", help="every database of the store")
+    p.add_argument("--workers", type=_nonneg_int,
+                   help="store requests in flight at once (default 8)")
+    p.set_defaults(func=cmd_convert)
+
+
 def _add_query(sub, parents: _Parents) -> None:
     p = sub.add_parser("query", parents=[parents.common],
                        help="one SQL query over many databases, with Spark",
@@ -367,7 +394,7 @@ def _add_query(sub, parents: _Parents) -> None:
 _SUBCOMMANDS = (
     _add_fingerprint, _add_manifest_name, _add_sqlite_extension, _add_copier, _add_flush,
     _add_sync, _add_restore, _add_versions, _add_ls, _add_manifest, _add_lag, _add_repair,
-    _add_query,
+    _add_convert, _add_query,
 )
 
 

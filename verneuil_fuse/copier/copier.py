@@ -27,6 +27,11 @@ and transient errors retried with jittered exponential backoff.  Chunks
 uploaded recently are remembered (bounded LRU) and not sent again.  Chunks of
 live manifests are touched about once a day.  Any number of copiers, in any
 number of processes, may work on one spool.
+
+On a store of the packed layout (``layout=packed``) the chunk files go into
+packs and each manifest is uploaded with the place of every chunk; the steps
+and their order stay the same (`packer.Packer`, docs/COPIER.md "The packed
+layout").
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ from typing import Callable, Iterator, Optional
 from .. import format as fmt
 from ..store import NotFound, StoreError, TransientError
 from . import spool as sp
+from .packer import Packer, Unplaced
 from .pacing import (DEFAULT_BURST, DEFAULT_RATE, Backoff, RecentSet, Stopped,
                      TokenBucket, retry)
 from .pool import DaemonPool, InFlight
@@ -89,6 +95,9 @@ class CopierStats:
     chunk_bytes_sent: int = 0      # compressed
     manifests_uploaded: int = 0
     manifests_skipped: int = 0     # staged manifest already in the store
+    packs_uploaded: int = 0        # packed layout: packs put (chunks_uploaded counts their chunks)
+    chunks_repacked: int = 0       # packed layout: chunks packed again by compaction
+    packs_deleted: int = 0         # packed layout: packs no kept version needs, deleted
     dead_letters: int = 0
     touches: int = 0
     touch_missing: int = 0
@@ -172,6 +181,8 @@ class Copier:
         self._touch_warned: set[str] = set()  # databases with a missing chunk this patrol
         self._next_cleanup = 0.0
         self._deadline: Optional[float] = None  # set by flush(timeout)
+        # The packed layout's path (None: Verneuil's, an object per chunk).
+        self.packer = Packer(self) if getattr(store, "layout", "chunks") == "packed" else None
 
     # -- plumbing -----------------------------------------------------------
 
@@ -322,11 +333,17 @@ class Copier:
             return False
         return len(data), fmt.compress_chunk(data)
 
-    def _upload_chunk_dir(self, db: sp.DbDir, dirpath: str) -> int:
-        """Upload every chunk file in `dirpath`; the number of bad files."""
+    def _upload_chunk_dir(self, db: sp.DbDir, dirpath: str, meta_dir: str) -> int:
+        """Upload every chunk file in `dirpath` (their manifest is in
+        `meta_dir`); the number of bad files."""
         names = sp.listdir_or_empty(dirpath)
         if not names:
             return 0
+        if self.packer is not None:
+            name, order = _dir_manifest(meta_dir, self.max_db_size)
+            if name is None:
+                return 0  # no manifest yet: packs are named after it
+            return self.packer.pack_chunk_dir(db, dirpath, name, order)
         names, bad = self._upload_chunks_async(db, dirpath, names)
         results = self._pool.map(lambda n: self._upload_chunk_file(db, dirpath, n), names)
         first_error = None
@@ -431,8 +448,13 @@ class Copier:
             log.warning("%s: replicated again (back under max_db_size)", db.source() or db.path)
 
     def _upload_manifest(self, db: sp.DbDir, name: str, raw: bytes, m: fmt.Manifest) -> None:
-        blob = fmt.compress_manifest(raw)
-        self._request(lambda: self.store.manifests.put(name, blob), "put manifest")
+        """Upload a manifest (with its chunks' places, in the packed layout:
+        Unplaced if some have none)."""
+        if self.packer is not None:
+            m = self.packer.upload_manifest(db, name, raw, m)
+        else:
+            blob = fmt.compress_manifest(raw)
+            self._request(lambda: self.store.manifests.put(name, blob), "put manifest")
         self._state(db).last_raw[name] = _raw_fp(raw)
         self._replicates(db)
         self._count(manifests_uploaded=1)
@@ -444,6 +466,8 @@ class Copier:
             log.debug("%s: manifest %s", db.source() or db.path, name)
         log.debug("uploaded manifest %s (%d bytes, %d chunks)", name, m.len, len(m.chunks))
         self._maybe_schedule_touch(db, m)
+        if self.packer is not None:
+            self.packer.collect(db, name)
 
     def _store_has(self, name: str, raw: bytes) -> bool:
         """Whether the store's current manifest `name` holds exactly `raw`."""
@@ -453,6 +477,8 @@ class Copier:
             return False
         if blob == raw:
             return True
+        if self.packer is not None:
+            return self.packer.store_copy(blob) == raw
         if blob.startswith(fmt.ZSTD_MAGIC):
             import zstandard
             try:
@@ -480,12 +506,10 @@ class Copier:
             return
         os.utime(path)  # claim this round before doing it
         # Chunk 0 is never uploaded; other bundled chunks (b-tree tops) are,
-        # and a later manifest may name them without bundling them.
-        names = {fp.name for i, fp in enumerate(m.chunks) if i != 0}
-        if m.base_chunks_fprint is not None:
-            names.add(m.base_chunks_fprint.name)
-        names.discard(fmt.ZERO_CHUNK_NAME)
-        log.info("touching %d chunks of %s", len(names), db.path)
+        # and a later manifest may name them without bundling them.  In the
+        # packed layout the objects are the packs holding them.
+        names = set(fmt.stored_objects(m))
+        log.info("touching %d objects of %s", len(names), db.path)
         label = db.source() or db.path
         with self._stats_lock:
             self._touch_warned.discard(label)  # a new patrol: warn again if chunks are missing
@@ -514,6 +538,10 @@ class Copier:
                 m = self._validate(raw)
             except (OSError, BadSnapshot):
                 continue
+            if self.packer is not None:  # the places the store's copy gives
+                m = self.packer.ledger(db, name).last
+                if m is None:
+                    continue
             self._maybe_schedule_touch(db, m)
 
     def _touch_one(self, item: tuple[str, str]) -> None:
@@ -634,9 +662,10 @@ class Copier:
             if entry not in (sp.CHUNKS, sp.META):
                 self._dead_letter(db, os.path.join(base, entry), "snapshot.%s.%s" % (label, entry))
         chunks_dir = os.path.join(base, sp.CHUNKS)
-        if self._snapshot_past_bound(os.path.join(base, sp.META)):
+        meta_dir = os.path.join(base, sp.META)
+        if self._snapshot_past_bound(meta_dir):
             shutil.rmtree(chunks_dir, ignore_errors=True)  # never sent: its manifest is refused below
-        bad = self._upload_chunk_dir(db, chunks_dir)
+        bad = self._upload_chunk_dir(db, chunks_dir, meta_dir)
         err = sp.rmdir_quiet(chunks_dir)
         if err == errno.ENOTDIR:
             self._dead_letter(db, chunks_dir, "snapshot.%s.chunks" % label)
@@ -645,9 +674,11 @@ class Copier:
                 self._dead_letter(db, os.path.join(chunks_dir, leftover), "leftover." + leftover)
                 bad += 1
             sp.rmdir_quiet(chunks_dir)
-        meta_dir = os.path.join(base, sp.META)
         names = sp.listdir_or_empty(meta_dir)
         if names:
+            if self.packer is not None and not bad:
+                for name in names:
+                    self._prepare_upload(db, os.path.join(meta_dir, name), name)
             with self._db_lock(db):
                 for name in names:
                     self._upload_consumed_manifest(db, meta_dir, name, bad)
@@ -687,16 +718,26 @@ class Copier:
             return
         try:
             m = self._validate(raw)
+            self._upload_manifest(db, name, raw, m)
         except PastBound as e:
             self._stopped(db, str(e))
             self._dead_letter(db, path, "too-large.manifest")
             return
-        except BadSnapshot as e:
+        except (BadSnapshot, Unplaced) as e:
             log.error("%s: %s; moved aside", path, e)
             self._dead_letter(db, path, "invalid.manifest")
             return
-        self._upload_manifest(db, name, raw, m)
         sp.unlink_quiet(path)
+
+    def _prepare_upload(self, db: sp.DbDir, path: str, name: str) -> None:
+        """Packed layout, before a manifest's upload and outside the lock:
+        compaction (`Packer.prepare`); a manifest that cannot be read is
+        left to the upload, which says why."""
+        try:
+            m = self._validate(sp.read_regular(path))
+        except (OSError, BadSnapshot):
+            return
+        self.packer.prepare(db, name, m)
 
     # -- staging ----------------------------------------------------------------
 
@@ -713,7 +754,7 @@ class Copier:
         did = False
         chunks_dir = db.sub(sp.STAGING, sp.CHUNKS)
         if sp.listdir_or_empty(chunks_dir):
-            bad = self._upload_chunk_dir(db, chunks_dir)
+            bad = self._upload_chunk_dir(db, chunks_dir, db.sub(sp.STAGING, sp.META))
             did = True
         else:
             bad = 0
@@ -736,6 +777,8 @@ class Copier:
             return False  # unchanged since we uploaded (or refused) it
         if bad or self._staged_chunks_pending(db) or self._ready_or_consuming(db):
             return False  # not now: chunks in flight (a later pass will see it)
+        if self.packer is not None:
+            self._prepare_upload(db, path, name)
         with self._db_lock(db):
             # 1. identity of what we read (the file is immutable once published)
             try:
@@ -779,16 +822,18 @@ class Copier:
                 return False
             try:
                 m = self._validate(raw)
+                self._upload_manifest(db, name, raw, m)
             except PastBound as e:
                 self._stopped(db, str(e))
                 state.staged_bad[name] = ident
                 return False
-            except BadSnapshot as e:
-                log.error("staged manifest %s is invalid, not uploaded: %s", path, e)
+            except (BadSnapshot, Unplaced) as e:
+                log.error("staged manifest %s is not uploaded: %s", path, e)
                 state.staged_bad[name] = ident
                 return False
-            self._upload_manifest(db, name, raw, m)
             state.staged_done[name] = ident
+            if self.packer is not None:
+                self.packer.after_staged_upload(db, name, ident.ctime_ns)
             return True
 
     # -- passes -----------------------------------------------------------------
@@ -986,3 +1031,17 @@ class Copier:
 
     def wake(self) -> None:
         self.wake_event.set()
+
+
+def _dir_manifest(meta_dir: str, max_db_size: int) -> tuple[Optional[str], Optional[fmt.Manifest]]:
+    """The manifest of a snapshot's (or staging's) `meta` directory: its
+    name and, when it decodes, the manifest (None, None: there is none)."""
+    for name in sorted(sp.listdir_or_empty(meta_dir)):
+        if fmt.parse_manifest_name(name) is None:
+            continue
+        try:
+            return name, fmt.decode_and_validate(sp.read_regular(os.path.join(meta_dir, name)),
+                                                 max_db_size=max_db_size)
+        except (OSError, fmt.ManifestError):
+            return name, None
+    return None, None

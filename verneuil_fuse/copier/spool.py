@@ -2,9 +2,10 @@
 
 Nothing here talks to a store.  Everything is a plain POSIX operation on the
 tree the writer VFS maintains; the only state copiers add is `copier.lock`,
-`copier.touched`, `copier.store` and `copier.stopped` in each database's
-directory and `dead-letter/` in the boot root (bounded: `DEAD_LETTER_MAX_ENTRIES`
-entries and `DEAD_LETTER_MAX_BYTES`, the oldest dropped first and counted in
+`copier.touched`, `copier.store`, `copier.stopped` and, in the packed layout,
+`copier.packs/`, `copier.last` and `copier.gc` in each database's directory, and
+`dead-letter/` in the boot root (bounded: `DEAD_LETTER_MAX_ENTRIES` entries and
+`DEAD_LETTER_MAX_BYTES`, the oldest dropped first and counted in
 `dead-letter/.dropped`).
 """
 from __future__ import annotations
@@ -36,6 +37,9 @@ SOURCE = "source"
 LOCK_FILE = "copier.lock"
 TOUCHED_FILE = "copier.touched"
 STORE_FILE = "copier.store"  # identity of the chunk store this database is shipped to
+PACKS_DIR = "copier.packs"  # packed layout: where the chunks packed from this directory went
+LAST_FILE = "copier.last"  # packed layout: the last manifest uploaded (raw, with its layout)
+GC_FILE = "copier.gc"  # packed layout: when GC last ran, and the packs each version names
 DEAD_LETTER = "dead-letter"
 STOPPED_FILE = "copier.stopped"  # a database the copier refuses to ship (past max_db_size)
 # dead-letter/ keeps at most this many entries and bytes; past either, the

@@ -47,15 +47,24 @@ def _store_manifest_raw(store, name: str, staged: bytes) -> Optional[bytes]:
     """The store's manifest `name`, decompressed, as far as needed to compare
     it with the `staged` (raw) one: None if missing; an object too large to
     be a frame of `staged` (or of any manifest of the default size limit) is
-    not read and reported as b"" (it differs)."""
+    not read and reported as b"" (it differs).  A manifest of the packed
+    layout is compared without its layout (the copier adds it to what the
+    writer staged)."""
     staged_frame_bound = len(staged) + (len(staged) >> 8) + fmt.manifest.ZSTD_FRAME_SLACK
     bound = max(fmt.manifest_blob_limit(fmt.DEFAULT_MAX_DB_SIZE), staged_frame_bound)
+    if getattr(store, "layout", "chunks") == "packed":  # the layout adds at most 27 bytes to 16 a chunk
+        bound = max(bound, min(fmt.MAX_MANIFEST_BYTES, 3 * staged_frame_bound))
     try:
         blob = store.manifests.get(name, max_bytes=bound)
     except NotFound:
         return None
     except TooLarge:
         return b""
+    if getattr(store, "layout", "chunks") == "packed":
+        try:
+            return fmt.strip_layout(fmt.raw_manifest(blob, fmt.MAX_REPLICATED_DB_SIZE))
+        except Exception:  # noqa: BLE001 - ManifestError, the protobuf runtime's DecodeError
+            return b""
     if blob.startswith(fmt.ZSTD_MAGIC):
         import zstandard
         try:

@@ -1000,7 +1000,8 @@ class Catalog:
                         if not isinstance(replica, Replica):
                             return
                         h.version = version = replica.version
-                        n = await self.fetcher.hydrate(replica.all_remote_chunks(), progress=h.progress)
+                        fps, sources = replica.all_remote_chunks()
+                        n = await self.fetcher.hydrate(fps, progress=h.progress, sources=sources)
                         h.state = "done"
                         log.info("hydrated %s: %d chunks in %.1fs", replica.path, n, time.monotonic() - start)
                     except Exception as e:  # noqa: BLE001 - hydration is best effort

@@ -36,7 +36,12 @@ thread, outside the GIL, and hands their answers back in batches (one
 wake-up of trio per batch) to `engine_answered`; a read request waits for
 all its chunks on one Event (`_Waiter`). Anything else runs in a task
 (`_fly`): a chunk the disk cache may hold, a directory store's GETs in
-threads, hydration, and the retries of a GET that failed on the engine.
+threads, hydration, the retries of a GET that failed on the engine, and a
+chunk of a packed store (docs/FORMAT.md, "Packed layout"), whose flight
+carries its `ChunkSource` (a byte range of a pack, given by the replica)
+and is read by `store.read_chunk` with a range GET, verified and cached
+like any chunk (one range GET per chunk: runs of adjacent chunks in one GET
+are for the engine path to do).
 """
 from __future__ import annotations
 
@@ -51,20 +56,19 @@ import trio
 
 from verneuil_fuse.format import (
     DEFAULT_MAX_DB_SIZE,
-    MAX_CHUNK_BLOB_BYTES,
     ChunkError,
+    ChunkSource,
     Fprint,
     base_chunk_blob_limit,
     chunk_name,
     decode_and_validate,
     decode_base_chunk,
-    decode_chunk,
     manifest_blob_limit,
 )
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache, MemoryLRU
 from verneuil_fuse.reader.flights import DONE, TASK, EnginePath, Flight, store_chunk
 from verneuil_fuse.reader.throttle import AdaptiveLimit, is_congestion
-from verneuil_fuse.store import NotFound, StoreError, TooLarge
+from verneuil_fuse.store import NotFound, StoreError, TooLarge, read_chunk
 from verneuil_fuse.store.retry import Backoff, retry, retry_async
 
 log = logging.getLogger(__name__)
@@ -176,10 +180,16 @@ def _worth_retrying(error: BaseException) -> bool:
     return isinstance(error, _GET_FAILURES) and not isinstance(error, TooLarge)
 
 
-def _get_and_decode(backend: Any, name: str, fp: Fprint) -> tuple[int, bytes]:
-    """GET and verify one chunk in a worker thread: (blob size, bytes)."""
-    blob = backend.get(name, max_bytes=MAX_CHUNK_BLOB_BYTES)
-    return len(blob), decode_chunk(blob, fp)
+def _get_and_decode(backend: Any, source: ChunkSource, fp: Fprint) -> tuple[int, bytes]:
+    """GET (a whole chunk object, or a range of a pack) and verify one chunk
+    in a worker thread: (blob size, bytes)."""
+    return read_chunk(backend, source, fp)
+
+
+def _source_of(sources: Any, k: int) -> ChunkSource | None:
+    """The k-th of ``sources`` (a list parallel to the fingerprints a
+    replica passes), or None (Verneuil's layout: a chunk object)."""
+    return None if sources is None else sources[k]
 
 
 class FetchError(Exception):
@@ -407,17 +417,19 @@ class Fetcher:
         data = self.get_nowait(fp)
         return data if data is not None else await self.get_waiting(fp)
 
-    async def get_waiting(self, fp: Fprint) -> bytes:
+    async def get_waiting(self, fp: Fprint, source: ChunkSource | None = None) -> bytes:
         """A demand read for a chunk `get_nowait` did not have: join or start
-        its flight (disk cache in a thread, else the store)."""
-        got = self._join(fp)
+        its flight (disk cache in a thread, else the store). ``source``:
+        where the chunk is in a packed store (`format.chunk_source`); None:
+        its own chunk object."""
+        got = self._join(fp, source)
         if not isinstance(got, Flight):
             return got
         self._engine.pump()
         await self._wait([got])
         return self._result(got)
 
-    def _join(self, fp: Fprint) -> bytes | Flight:
+    def _join(self, fp: Fprint, source: ChunkSource | None = None) -> bytes | Flight:
         """A demand read's chunk: its bytes if they arrived meanwhile, else
         its flight, joined (a prefetch's is promoted) or started (not
         submitted: `EnginePath.pump`). Raises FetchError for a chunk given up on less
@@ -440,7 +452,7 @@ class Fetcher:
                 self.stats["failed_fast"] += 1
                 raise failed[1]
             del self._failed[fp]
-        return self._start(fp, prefetch=False)
+        return self._start(fp, prefetch=False, source=source)
 
     def _promote(self, flight: Flight) -> None:
         """A demand read joined a prefetch: it no longer waits for a
@@ -472,9 +484,11 @@ class Fetcher:
         self._used(flight.fp)
         return flight.data
 
-    async def read_into(self, fps: list[Fprint], dests: list[memoryview]) -> None:
+    async def read_into(self, fps: list[Fprint], dests: list[memoryview],
+                        sources: list[ChunkSource] | None = None) -> None:
         """Fill ``dests[k]`` (a writable view of the chunk's length) with the
-        verified bytes of ``fps[k]``, for the chunks of one read request.
+        verified bytes of ``fps[k]``, for the chunks of one read request;
+        ``sources[k]``, when given, is where the chunk is in a packed store.
 
         Chunks in the disk cache are read straight into the destinations, in
         as few system calls as their places in the segments allow, in this
@@ -515,9 +529,10 @@ class Fetcher:
         if not missing:
             return
         stats["requests"] -= len(missing)  # `_join` counts them
-        await self._read_missing(fps, dests, missing)
+        await self._read_missing(fps, dests, missing, sources)
 
-    async def _read_missing(self, fps: list[Fprint], dests: list[memoryview], missing: list[int]) -> None:
+    async def _read_missing(self, fps: list[Fprint], dests: list[memoryview], missing: list[int],
+                            sources: list[ChunkSource] | None = None) -> None:
         """`read_into` for the chunks ``missing`` (positions): flights joined
         or started, one wait for all, then the bytes copied; the first error,
         once all are done."""
@@ -525,7 +540,7 @@ class Fetcher:
         waiting: list[tuple[int, Flight]] = []
         for k in missing:
             try:
-                got = self._join(fps[k])
+                got = self._join(fps[k], _source_of(sources, k))
             except FetchError as e:
                 errors.append(e)
                 continue
@@ -555,17 +570,19 @@ class Fetcher:
         else:
             dest[:] = data
 
-    def prefetch(self, fps: Iterable[Fprint], *, fetch: bool = True, advise: bool = True) -> int:
+    def prefetch(self, fps: Iterable[Fprint], *, fetch: bool = True, advise: bool = True,
+                 sources: list[ChunkSource] | None = None) -> int:
         """Start fetching chunks in the background, skipping those in memory
         or under way; for chunks in the disk cache, ask the kernel to read
         them into its page cache instead (no GET, no thread per chunk).
         ``fetch=False`` only advises the cached chunks, ``advise=False`` only
-        fetches the others. Returns how many flights (GETs) were started."""
+        fetches the others; ``sources`` as for `read_into`. Returns how many
+        flights (GETs) were started."""
         started = 0
         to_advise: list[Fprint] = []
         cache = self.cache
         paused = fetch and self.limit.paused  # the store throttles: its GETs go to demand reads
-        for fp in fps:
+        for k, fp in enumerate(fps):
             if fp in self.mem or fp in self._inflight:
                 if fetch:
                     self.stats["prefetch_requested"] += 1
@@ -584,7 +601,7 @@ class Fetcher:
             if self._prefetch_flights >= self.max_prefetch_flights:
                 self.stats["prefetch_dropped"] += 1
                 continue
-            self._start(fp, prefetch=True)
+            self._start(fp, prefetch=True, source=_source_of(sources, k))
             started += 1
         self.stats["prefetch_started"] += started
         if started:
@@ -617,14 +634,17 @@ class Fetcher:
             self._advising = False
 
     async def hydrate(self, fps: Iterable[Fprint], parallel: int | None = None,
-                      progress: HydrateProgress | None = None) -> int:
+                      progress: HydrateProgress | None = None,
+                      sources: list[ChunkSource] | None = None) -> int:
         """Make sure every chunk is in the disk cache (eager hydration),
-        counting in ``progress`` as it goes. Returns the number of chunks
-        that were fetched or checked; raises FetchError, once all were tried,
-        if some could not be fetched."""
+        counting in ``progress`` as it goes; ``sources`` as for `read_into`.
+        Returns the number of chunks that were fetched or checked; raises
+        FetchError, once all were tried, if some could not be fetched."""
         progress = progress if progress is not None else HydrateProgress()
         parallel = parallel or self.prefetch_slots.total_tokens
         sem = trio.Semaphore(parallel)
+        fps = list(fps)
+        where = dict(zip(fps, sources)) if sources is not None else {}
         todo = [fp for fp in dict.fromkeys(fps)
                 if fp not in self.mem and not (self.cache is not None and self.cache.has_indexed(fp))]
         progress.chunks = len(todo)
@@ -655,7 +675,8 @@ class Fetcher:
                         slot, slots[k] = slots[k], None
                         flight = self._inflight.get(fp)
                         if flight is None and not (cache is not None and cache.has_indexed(fp)):
-                            flight = self._start(fp, prefetch=True, hydrate=True, slot=slot)
+                            flight = self._start(fp, prefetch=True, hydrate=True, slot=slot,
+                                                 source=where.get(fp))
                         elif slot is not None:
                             slot.abandon()
                         if flight is None:  # cached meanwhile
@@ -673,11 +694,14 @@ class Fetcher:
         return len(todo)
 
     # ---------------------------------------------------------------- flights
-    def _start(self, fp: Fprint, prefetch: bool, hydrate: bool = False, slot: Any = _RESERVE) -> Flight:
+    def _start(self, fp: Fprint, prefetch: bool, hydrate: bool = False, slot: Any = _RESERVE,
+               source: ChunkSource | None = None) -> Flight:
         """Start the flight of one chunk; ``slot``: its place in the disk
-        cache, taken here unless given. A GET the chunk engine can make is
-        queued for `EnginePath.pump` (the caller calls it once its flights
-        are started); anything else runs in a task (`_fly`)."""
+        cache, taken here unless given; ``source``: where the chunk is in a
+        packed store (None: its own chunk object). A GET the chunk engine can
+        make (a whole chunk object) is queued for `EnginePath.pump` (the
+        caller calls it once its flights are started); anything else runs in
+        a task (`_fly`): a range of a pack too, read by `read_chunk`."""
         if self._nursery is None:
             raise RuntimeError("Fetcher.bind(nursery) was not called")
         # The chunk's place in the disk cache is taken now, in the order
@@ -687,11 +711,12 @@ class Fetcher:
         cache = self.cache
         if slot is _RESERVE:
             slot = cache.reserve() if cache is not None and not cache.has_indexed(fp) else None
-        flight = Flight(fp, prefetch, slot)
+        flight = Flight(fp, prefetch, slot, source)
         self._inflight[fp] = flight
         if prefetch:
             self._prefetch_flights += 1
-        if hydrate or not self._engine.available or (cache is not None and cache.might_have(fp)):
+        ranged = source is not None and source.ranged
+        if hydrate or ranged or not self._engine.available or (cache is not None and cache.might_have(fp)):
             self._nursery.start_soon(self._fly, flight, hydrate)
         else:
             self._engine.queue(flight)
@@ -830,6 +855,7 @@ class Fetcher:
         then FetchError. ``failed``: attempts already made on the engine path
         (whose deadline started then), ``last`` the error of the last."""
         name = chunk_name(fp)
+        source = flight.source if flight.source is not None else ChunkSource(name)
         if not failed:
             flight.deadline = trio.current_time() + self.deadline
         attempts = failed
@@ -838,7 +864,7 @@ class Fetcher:
             nonlocal attempts, last
             attempts += 1
             try:
-                return await self._get_once(fp, name, attempts)
+                return await self._get_once(fp, name, attempts, source)
             except _GET_FAILURES as e:
                 last = e
                 raise
@@ -864,11 +890,12 @@ class Fetcher:
                                 % (self.deadline, last or "none"))
         raise self._gave_up(name, attempts, last)
 
-    async def _get_once(self, fp: Fprint, name: str, attempt: int) -> bytes:
+    async def _get_once(self, fp: Fprint, name: str, attempt: int, source: ChunkSource) -> bytes:
         """One attempt of `_download`, counted: on the chunk engine if there
-        is an engine path (its request has ``timeout`` as its own bound), else in a
-        worker thread abandoned after ``timeout``. Raises one of
-        `_GET_FAILURES` (a timeout as TimeoutError)."""
+        is an engine path and ``source`` is a whole chunk object (its request
+        has ``timeout`` as its own bound), else in a worker thread abandoned
+        after ``timeout``. Raises one of `_GET_FAILURES` (a timeout as
+        TimeoutError)."""
         backend = self.store.chunks
         start = time.monotonic()
         try:
@@ -878,10 +905,10 @@ class Fetcher:
                 await self.io_limiter.acquire()
             try:
                 self.stats["gets"] += 1
-                answer = await self._engine.get_one(fp)
+                answer = None if source.ranged else await self._engine.get_one(fp)
                 if answer is None:
                     with trio.fail_after(self.timeout):
-                        answer = await trio.to_thread.run_sync(_get_and_decode, backend, name, fp,
+                        answer = await trio.to_thread.run_sync(_get_and_decode, backend, source, fp,
                                                                abandon_on_cancel=True, limiter=self.thread_limiter)
             finally:
                 self.io_limiter.release()

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import trio
 
-from verneuil_fuse.format import MAX_CHUNK_BLOB_BYTES, Fprint, chunk_mismatch, chunk_name
+from verneuil_fuse.format import MAX_CHUNK_BLOB_BYTES, ChunkSource, Fprint, chunk_mismatch, chunk_name
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache
 from verneuil_fuse.reader.chunk_engine import ChunkEngine, Outcome
 from verneuil_fuse.store import StoreError
@@ -69,10 +69,12 @@ class Flight:
     (`Fetcher._finish`)."""
 
     __slots__ = ("fp", "state", "data", "error", "prefetch", "promoted", "slot", "waiters", "wait_scope",
-                 "deadline", "holds_prefetch_slot")
+                 "deadline", "holds_prefetch_slot", "source")
 
-    def __init__(self, fp: Fprint, prefetch: bool, slot: CacheSlot | None = None):
+    def __init__(self, fp: Fprint, prefetch: bool, slot: CacheSlot | None = None,
+                 source: ChunkSource | None = None):
         self.fp = fp
+        self.source = source  # a packed store's `format.ChunkSource`; None: the chunk's own object
         self.state = TASK
         self.slot = slot  # where the disk cache will put the bytes (`ChunkCache.reserve`)
         self.data: bytes | None = None

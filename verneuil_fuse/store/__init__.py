@@ -9,7 +9,10 @@ This package owns every access to blob storage; boto3 is imported only here
   ``VERNEUIL_CONFIG`` environment variable.  Syntax: `config` module docstring.
 - `parse_config(spec) -> dict`: the same spec as a Verneuil-shaped config dict,
   for modules that need other keys (``replication_spooling_dir``, ...).
-- `Store` (``chunks``, ``manifests``, ``url``), the `Backend` protocol,
+- `read_chunk(backend, source, fp)` / `read_run`: one verified read of a
+  chunk (or of a run of adjacent chunks of a pack) where
+  `format.chunk_source` says it is, in either layout (`chunkread`).
+- `Store` (``chunks``, ``manifests``, ``url``, ``layout``), the `Backend` protocol,
   `ObjectInfo`, `VersionInfo`, `Tagged`, and the errors: `StoreError` > `NotFound`,
   `BucketNotFound`, `AccessDenied`, `TransientError`, `TooLarge`,
   `InvalidKey`, `ConfigError`.
@@ -39,11 +42,15 @@ from .base import (
     VersionInfo,
     check_key,
 )
-from .config import ENV_VAR, open_store, parse_config, store_target, target_url
+from .chunkread import read_chunk, read_run
+from .config import ENV_VAR, LAYOUT_CHUNKS, LAYOUT_PACKED, LAYOUTS, open_store, parse_config, store_target, target_url
 from .local import LocalBackend
 
 __all__ = [
     "ENV_VAR",
+    "LAYOUTS",
+    "LAYOUT_CHUNKS",
+    "LAYOUT_PACKED",
     "MAX_KEY_BYTES",
     "AccessDenied",
     "Backend",
@@ -64,6 +71,8 @@ __all__ = [
     "VersionInfo",
     "check_key",
     "open_store",
+    "read_chunk",
+    "read_run",
     "parse_config",
     "store_target",
     "target_url",

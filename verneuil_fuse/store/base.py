@@ -8,7 +8,8 @@ rely on:
   bucket, optionally under a key prefix).  Calls block; async callers run them
   in threads.  Implementations are safe to share between threads.
 - `Store`: the pair of backends a replica lives in (chunks + manifests; the two
-  buckets may differ) and the URL that reopens it (`open_store(store.url)`).
+  buckets may differ), the URL that reopens it (`open_store(store.url)`) and
+  the layout copiers write it in (`layout`: "chunks" or "packed").
 - `ObjectInfo` / `VersionInfo`: what listings yield; `Tagged`: a blob and
   the tag of its version, what a conditional read (`get_if_changed`) gives.
 - The error hierarchy.  Every failure of a backend call is a `StoreError`
@@ -295,12 +296,15 @@ class Store:
     """Where replicas live: a chunk backend and a manifest backend.
 
     `url` is a spec that `open_store` turns back into an equivalent store
-    (pass it to subprocesses, mounts, Spark executors).
+    (pass it to subprocesses, mounts, Spark executors).  `layout` is how
+    copiers write chunks ("chunks": an object each, Verneuil's layout;
+    "packed": packs read by range); readers read both whatever it says.
     """
 
     chunks: Backend
     manifests: Backend
     url: str
+    layout: str = "chunks"
 
     def describe(self) -> str:
         """Human-readable description of both locations (no credentials)."""
