@@ -466,7 +466,10 @@ def test_a_cache_on_a_disk_smaller_than_cache_size(env):
             disk = stats["fetch"]["disk_cache"]
             assert disk["puts"] > 0 and disk["evicted_segments"] > 0 and disk["bytes"] <= 8 << 20
             st = os.statvfs(fs)
-            assert st.f_bavail * st.f_frsize >= 0.05 * (8 << 20) - 4096
+            assert st.f_bavail * st.f_frsize >= 0.05 * (8 << 20) - 4096, (
+                disk, stats["catalog"]["manifest_cache"],
+                sorted((os.path.getsize(os.path.join(d, n)), os.path.join(d, n))
+                       for d, _, names in os.walk(fs) for n in names)[-8:])
         text = open(log).read()
         assert "the disk bounds the cache" in text
         assert text.count("WARNING") <= 4, text  # the disk, mounted, unmounted, at most one pause

@@ -505,3 +505,28 @@ def test_a_damaged_chunk_in_a_run_is_dropped_alone(tmp_path):
     assert [bytes(b) for k, b in enumerate(bufs) if k != 2] == [d for k, (_, d) in enumerate(items) if k != 2]
     assert c.stats["corrupt"] == 1 and not c.has_indexed(fps[2])
     c.close()
+
+
+def test_manifest_cache_keeps_the_disk_reserve(small_fs):
+    """The manifest cache shares cache_dir's disk with the chunk cache and
+    stops short of the same reserve: with the disk filled to just past the
+    reserve by another file, a blob is not kept (counted as skipped) and
+    reads answer "not cached"; once room is back, it is kept and read."""
+    from verneuil_fuse.reader.cache import disk_room
+    from verneuil_fuse.reader.manifests import WRITE_SLACK_BYTES, Cached, ManifestCache
+
+    mc = ManifestCache(str(small_fs), "store")
+    entry = Cached(size=3, mtime=1.0, fetched_at=2.0, version="ab", blob=os.urandom(64 << 10))
+    filler = small_fs / "filler"
+    with open(filler, "wb") as f:
+        f.write(bytes(max(0, disk_room(str(small_fs)) - WRITE_SLACK_BYTES)))
+    try:
+        assert disk_room(str(small_fs)) < len(entry.blob) + WRITE_SLACK_BYTES
+        mc.put("k", entry)
+        assert mc.get("k") is None and mc.stats()["skipped"] == 1
+        assert disk_room(str(small_fs)) > 0  # the reserve is still free
+        filler.unlink()
+        mc.put("k", entry)
+        assert mc.get("k") == entry and mc.stats()["skipped"] == 1
+    finally:
+        mc.close()

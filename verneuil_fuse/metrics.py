@@ -169,7 +169,8 @@ MOUNT_SERIES: tuple[Series, ...] = tuple(
         "cache_dropped": "manifest cache entries that did not decode, dropped and read from the store"})
     + _counters("catalog.manifest_cache", "verneuil_catalog_manifest_cache_", {
         "hits": "manifests read from the manifest cache on disk", "misses": "manifests it did not hold",
-        "errors": "manifest cache operations that failed"})
+        "errors": "manifest cache operations that failed",
+        "skipped": "manifests not kept: their disk had no room left past its reserve"})
     + [
         _s("databases.len", "verneuil_database_size_bytes", GAUGE, "size of the version served"),
         _s("databases.chunks", "verneuil_database_chunks", GAUGE, "chunks of the version served"),

@@ -218,6 +218,20 @@ class CacheSlot:
         return True
 
 
+
+def disk_room(path: str) -> int | None:
+    """Bytes that may still be written to the file system of ``path`` while
+    keeping its reserve (`FREE_RESERVE_FRACTION`) free: negative when others
+    ate into it, None when statvfs cannot describe it. Every cache kept
+    under cache_dir (chunks here, manifests in `manifests`) writes only
+    within it."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    reserve = min(FREE_RESERVE_MAX, int(st.f_blocks * st.f_frsize * FREE_RESERVE_FRACTION))
+    return st.f_bavail * st.f_frsize - reserve
+
 class ChunkCache:
     """Verified chunk bytes on local disk, bounded by ``size_limit`` bytes."""
 
@@ -747,12 +761,7 @@ class ChunkCache:
         """Bytes the cache may still write to its file system, keeping the
         reserve free (negative when others ate into it); None when statvfs
         fails (the size bound alone then applies)."""
-        try:
-            st = os.statvfs(self._dir)
-        except OSError:
-            return None
-        reserve = min(FREE_RESERVE_MAX, int(st.f_blocks * st.f_frsize * FREE_RESERVE_FRACTION))
-        return st.f_bavail * st.f_frsize - reserve
+        return disk_room(self._dir)
 
     def _pause_locked(self, reason: str) -> None:
         """Stop writing new chunks for `WRITE_PAUSE_S` (see there)."""
