@@ -67,6 +67,27 @@ def explain(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+def compile_on_the_driver(path: str, query: str) -> None:
+    """Raise the error a job with on_error=fail would end with when SQLite
+    cannot compile `query` on `path`, the first database, before Spark's
+    JVM starts (some 20 s saved on a typo). Only an error of the SQL itself
+    (SQLITE_ERROR: syntax, no such table or column) and only where the driver
+    can open that database; anything else is left to the executors."""
+    if query.lstrip()[:7].upper() == "EXPLAIN":
+        return
+    try:
+        con = connect_readonly(path)
+    except sqlite3.Error:
+        return
+    try:
+        con.execute("EXPLAIN " + query)  # compiles the statement, runs nothing
+    except sqlite3.Error as e:
+        if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_ERROR:
+            raise RuntimeError("query failed on %s: %s" % (path, e)) from None
+    finally:
+        con.close()
+
+
 def check_output(output: str, force: bool) -> None:
     """Refuse an --output that cannot or must not be written, before Spark
     starts: a Spark output is a directory, replaced only with force."""
@@ -148,6 +169,8 @@ def run_query(spec, query: str, master: str = "local[*]", output: str | None = N
     stream.write("%d databases, %.1f MB\n" % (len(paths), total / 1e6))
     if output:
         check_output(output, force)
+    if on_error == "fail" and not union:
+        compile_on_the_driver(paths[0], query)
     spark = spark_session(master, app="verneuilctl-query", quiet=True, class_archive=True)
     stop = threading.Event()
     ticker = None
