@@ -110,6 +110,18 @@ def test_imports_point_one_way():
     assert wrong == [], "\n".join(wrong)
 
 
+def test_imports_are_absolute():
+    """One style of imports in the product: absolute (`from verneuil_fuse.store
+    import ...`), never relative, so a module reads the same wherever it moves."""
+    relative = []
+    for package in PYTHON_PACKAGES:
+        for path in _files(package, ".py"):
+            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    relative.append("%s:%d" % (os.path.relpath(path, ROOT), node.lineno))
+    assert relative == [], "relative imports:\n" + "\n".join(relative)
+
+
 def test_c_headers_include_no_cycle():
     graph = {}
     for path in _files("csrc", ""):

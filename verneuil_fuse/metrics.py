@@ -37,8 +37,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-from .format import parse_manifest_name
-from .format.names import MANGLE_KEEP
+from verneuil_fuse.format import parse_manifest_name
+from verneuil_fuse.format.names import MANGLE_KEEP
 
 log = logging.getLogger(__name__)
 

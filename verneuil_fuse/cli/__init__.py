@@ -36,10 +36,10 @@ import logging
 import sys
 from typing import Optional
 
-from ..errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UserError
-from .common import print_error
-from .parser import build_parser, relative_at
-from .repair_cmds import EXIT_REPAIRABLE, EXIT_UNREPAIRABLE
+from verneuil_fuse.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UserError
+from verneuil_fuse.cli.common import print_error
+from verneuil_fuse.cli.parser import build_parser, relative_at
+from verneuil_fuse.cli.repair_cmds import EXIT_REPAIRABLE, EXIT_UNREPAIRABLE
 
 __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REPAIRABLE", "EXIT_UNREPAIRABLE",
            "EXIT_USAGE", "UserError", "build_parser", "main"]
@@ -48,7 +48,7 @@ __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REPAIRABLE", "EXIT
 def _setup_logging(verbose: int, quiet: bool) -> None:
     level = logging.ERROR if quiet else (
         logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
-    from ..logs import formatter
+    from verneuil_fuse.logs import formatter
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter("verneuilctl", sys.stderr))
     logging.basicConfig(level=level, handlers=[handler])
@@ -71,9 +71,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         # what an operator reads in its log, so INFO is its default.
         args.verbose = max(args.verbose, 1)
     _setup_logging(args.verbose, args.quiet)
-    from ..copier import NotASpool, RestoreError, Stopped
-    from ..format import BadName, ChunkError, ManifestError
-    from ..store import ConfigError, StoreError
+    from verneuil_fuse.copier import NotASpool, RestoreError, Stopped
+    from verneuil_fuse.format import BadName, ChunkError, ManifestError
+    from verneuil_fuse.store import ConfigError, StoreError
     try:
         return args.func(args)
     except UserError as e:

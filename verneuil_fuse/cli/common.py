@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from ..errors import EXIT_USAGE, UserError
+from verneuil_fuse.errors import EXIT_USAGE, UserError
 
 log = logging.getLogger("verneuilctl")
 
@@ -23,8 +23,8 @@ def store_from_args(args, required: bool = True, read_only: bool = False):
     """The store of --store (else VERNEUIL_CONFIG); None if not required and
     nothing is configured.  `read_only`: a missing directory store is an
     error instead of being created."""
-    from ..store import StoreError, open_store, parse_config, store_target
-    from ..store.config import env_config_present
+    from verneuil_fuse.store import StoreError, open_store, parse_config, store_target
+    from verneuil_fuse.store.config import env_config_present
     if not required and args.store is None and not env_config_present():
         return None
     try:
@@ -40,7 +40,7 @@ def store_from_args(args, required: bool = True, read_only: bool = False):
 
 
 def spool_from_args(args) -> str:
-    from .. import config
+    from verneuil_fuse import config
     return config.spool_dir(args.spool, args.store)
 
 
@@ -58,7 +58,7 @@ def read_input(path: str, max_bytes: Optional[int] = None) -> bytes:
 
 def manifest_key(args) -> str:
     """The manifest name from -m, or from --hostname/-s."""
-    from .. import format as fmt
+    from verneuil_fuse import format as fmt
     if getattr(args, "manifest", None):
         if fmt.parse_manifest_name(args.manifest) is None:
             raise UserError("%r is not a manifest name" % args.manifest, EXIT_USAGE)
@@ -75,8 +75,8 @@ def manifest_key(args) -> str:
 def load_manifest(args, store):
     """(name, Manifest) from --manifest-file, -m, or --hostname + -s; no
     manifest larger than --max-db-size allows is read past that bound."""
-    from .. import format as fmt
-    from ..copier.restore import RAISE_LIMIT_HINT, decode_manifest, fetch_manifest
+    from verneuil_fuse import format as fmt
+    from verneuil_fuse.copier.restore import RAISE_LIMIT_HINT, decode_manifest, fetch_manifest
     max_db_size = getattr(args, "max_db_size", None) or fmt.DEFAULT_MAX_DB_SIZE
     if getattr(args, "manifest_file", None):
         limit = fmt.manifest_blob_limit(max_db_size)

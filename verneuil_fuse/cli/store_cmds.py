@@ -9,10 +9,10 @@ import os
 import sys
 from typing import Optional
 
-from ..errors import EXIT_OK, EXIT_USAGE, UserError
-from .common import (Progress, fmt_size, fmt_time, load_manifest, log, print_json, print_table,
-                     store_from_args)
-from .history_cmds import parse_at, pick_version_at
+from verneuil_fuse.errors import EXIT_OK, EXIT_USAGE, UserError
+from verneuil_fuse.cli.common import (Progress, fmt_size, fmt_time, load_manifest, log, print_json,
+                                      print_table, store_from_args)
+from verneuil_fuse.cli.history_cmds import parse_at, pick_version_at
 
 
 def _check_restore_target(path: str, force: bool) -> None:
@@ -31,7 +31,7 @@ def _check_restore_target(path: str, force: bool) -> None:
 
 def cmd_restore(args) -> int:
     import tempfile
-    from ..copier.restore import restore_to_path, write_snapshot
+    from verneuil_fuse.copier.restore import restore_to_path, write_snapshot
     if args.at is not None:  # refused before anything else: a bad time, two ways to pick
         parse_at(args.at)
         if args.version_id:
@@ -76,9 +76,9 @@ def cmd_restore(args) -> int:
 
 
 def _ls_entry(store, info, versions: bool, max_db_size: Optional[int] = None) -> dict:
-    from .. import format as fmt
-    from ..copier.restore import RAISE_LIMIT_HINT, RestoreError, decode_manifest
-    from ..store import NotFound, TooLarge
+    from verneuil_fuse import format as fmt
+    from verneuil_fuse.copier.restore import RAISE_LIMIT_HINT, RestoreError, decode_manifest
+    from verneuil_fuse.store import NotFound, TooLarge
     max_db_size = max_db_size or fmt.DEFAULT_MAX_DB_SIZE
     parsed = fmt.parse_manifest_name(info.key)
     entry: dict = {"name": info.key, "hostname": parsed.hostname if parsed else None,
@@ -150,7 +150,7 @@ def _say_why_empty(store, hostname: Optional[str]) -> None:
 
 
 def _manifest_dict(name: str, m) -> dict:
-    from .. import format as fmt
+    from verneuil_fuse import format as fmt
     parsed = fmt.parse_manifest_name(name)
     distinct = set(m.chunks)
     return {
@@ -176,7 +176,7 @@ def _manifest_dict(name: str, m) -> dict:
 
 
 def cmd_manifest(args) -> int:
-    from .. import format as fmt
+    from verneuil_fuse import format as fmt
     store = None
     store = store_from_args(args, required=not args.manifest_file, read_only=True)
     try:

@@ -17,12 +17,12 @@ import logging
 import threading
 from typing import Optional
 
-from .copier import BadSnapshot, Copier, CopierStats, OtherStore
-from .pacing import DEFAULT_BURST, DEFAULT_RATE, Backoff, Stopped, TokenBucket
-from .restore import (RestoreError, decode_manifest, fetch_manifest,
-                      restore_bytes, restore_to_path, write_snapshot)
-from .spool import NotASpool
-from .status import spool_status
+from verneuil_fuse.copier.copier import BadSnapshot, Copier, CopierStats, OtherStore
+from verneuil_fuse.copier.pacing import DEFAULT_BURST, DEFAULT_RATE, Backoff, Stopped, TokenBucket
+from verneuil_fuse.copier.restore import (RestoreError, decode_manifest, fetch_manifest, restore_bytes,
+                                          restore_to_path, write_snapshot)
+from verneuil_fuse.copier.spool import NotASpool
+from verneuil_fuse.copier.status import spool_status
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,8 @@ def start_background(spool: Optional[str] = None, store=None, **options) -> Back
     `open_store`; default VERNEUIL_CONFIG).  The spool is created if missing.
     Returns the handle; call `.stop()` to end it (it is a daemon thread, so
     it never holds up interpreter exit)."""
-    from .. import config
-    from ..store import Store, open_store
+    from verneuil_fuse import config
+    from verneuil_fuse.store import Store, open_store
     owns = False
     if not isinstance(store, Store):
         store = open_store(store)

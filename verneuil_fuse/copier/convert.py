@@ -19,12 +19,12 @@ import dataclasses
 import logging
 from typing import Optional
 
-from .. import format as fmt
-from ..store import LAYOUT_CHUNKS, LAYOUT_PACKED, NotFound, read_run
-from .packing import PACK_TARGET_BYTES, PackBuilder, Place, space_of, stored_chunks
-from .pool import DaemonPool
-from .repair import DEFAULT_WORKERS, Progress, retry_transient
-from .restore import RestoreError, decode_manifest, load_manifest_blob
+from verneuil_fuse import format as fmt
+from verneuil_fuse.store import LAYOUT_CHUNKS, LAYOUT_PACKED, NotFound, read_run
+from verneuil_fuse.copier.packing import PACK_TARGET_BYTES, PackBuilder, Place, space_of, stored_chunks
+from verneuil_fuse.copier.pool import DaemonPool
+from verneuil_fuse.copier.repair import DEFAULT_WORKERS, Progress, retry_transient
+from verneuil_fuse.copier.restore import RestoreError, decode_manifest, load_manifest_blob
 
 log = logging.getLogger(__name__)
 

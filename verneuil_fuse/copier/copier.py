@@ -49,13 +49,13 @@ import threading
 import time
 from typing import Callable, Iterator, Optional
 
-from .. import format as fmt
-from ..store import NotFound, StoreError, TransientError
-from . import spool as sp
-from .packer import Packer, Unplaced
-from .pacing import (DEFAULT_BURST, DEFAULT_RATE, Backoff, RecentSet, Stopped,
-                     TokenBucket, retry)
-from .pool import DaemonPool, InFlight
+from verneuil_fuse import format as fmt
+from verneuil_fuse.store import NotFound, StoreError, TransientError
+from verneuil_fuse.copier import spool as sp
+from verneuil_fuse.copier.packer import Packer, Unplaced
+from verneuil_fuse.copier.pacing import (DEFAULT_BURST, DEFAULT_RATE, Backoff, RecentSet, Stopped,
+                                         TokenBucket, retry)
+from verneuil_fuse.copier.pool import DaemonPool, InFlight
 
 log = logging.getLogger(__name__)
 

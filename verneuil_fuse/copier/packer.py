@@ -25,11 +25,12 @@ import os
 import time
 from typing import Optional
 
-from .. import format as fmt
-from ..store import NotFound, StoreError, read_run
-from . import spool as sp
-from .packing import (GC_INTERVAL, PACK_TARGET_BYTES, PACKS_IN_FLIGHT, GcState, Ledger, PackBuilder,
-                      Place, collect_garbage, plan_compaction, space_of, stored_chunks)
+from verneuil_fuse import format as fmt
+from verneuil_fuse.store import NotFound, StoreError, read_run
+from verneuil_fuse.copier import spool as sp
+from verneuil_fuse.copier.packing import (GC_INTERVAL, PACK_TARGET_BYTES, PACKS_IN_FLIGHT, GcState, Ledger,
+                                          PackBuilder, Place, collect_garbage, plan_compaction, space_of,
+                                          stored_chunks)
 
 log = logging.getLogger(__name__)
 

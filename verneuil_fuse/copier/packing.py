@@ -33,9 +33,9 @@ import secrets
 import time
 from typing import Callable, Iterable, Optional
 
-from .. import format as fmt
-from ..store import NotFound
-from . import spool as sp
+from verneuil_fuse import format as fmt
+from verneuil_fuse.store import NotFound
+from verneuil_fuse.copier import spool as sp
 
 log = logging.getLogger(__name__)
 

@@ -40,13 +40,13 @@ import os
 import struct
 from typing import Callable, Optional
 
-from .. import format as fmt
-from ..format import manifest_pb2
-from ..store import NotFound, TransientError
-from . import spool as sp
-from .pacing import Backoff, retry
-from .pool import DaemonPool
-from .restore import RestoreError
+from verneuil_fuse import format as fmt
+from verneuil_fuse.format import manifest_pb2
+from verneuil_fuse.store import NotFound, TransientError
+from verneuil_fuse.copier import spool as sp
+from verneuil_fuse.copier.pacing import Backoff, retry
+from verneuil_fuse.copier.pool import DaemonPool
+from verneuil_fuse.copier.restore import RestoreError
 
 log = logging.getLogger(__name__)
 

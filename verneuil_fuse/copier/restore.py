@@ -15,9 +15,9 @@ import tempfile
 import threading
 from typing import BinaryIO, Callable, Optional
 
-from .. import format as fmt
-from ..store import NotFound, TooLarge, read_run
-from .pool import DaemonPool
+from verneuil_fuse import format as fmt
+from verneuil_fuse.store import NotFound, TooLarge, read_run
+from verneuil_fuse.copier.pool import DaemonPool
 
 
 class RestoreError(Exception):

@@ -75,7 +75,7 @@ def current_boot_root_name() -> str:
 
 def dbdir_name(path: str) -> str:
     """The per-database directory name the writer uses for `path`."""
-    from ..format import PATH_KEY, hash64
+    from verneuil_fuse.format import PATH_KEY, hash64
     real = os.path.realpath(path)
     st = os.stat(real)
     return "%016x.%x.%x" % (hash64(os.fsencode(real), PATH_KEY), st.st_dev, st.st_ino)

@@ -18,9 +18,9 @@ import os
 import time
 from typing import Optional
 
-from .. import format as fmt
-from ..store import NotFound, TooLarge
-from . import spool as sp
+from verneuil_fuse import format as fmt
+from verneuil_fuse.store import NotFound, TooLarge
+from verneuil_fuse.copier import spool as sp
 
 # The size limit for the spool's own staged manifests: they come from this
 # host's writer, not from the store, so any database size is fine and only

@@ -43,7 +43,7 @@ class Version:
 def load_version(store, key: str, info, max_db_size: int) -> Version:
     """The version `info` of manifest `key`, decoded (base chunk fetched)
     when possible; an unreadable one gets the store's time and an error."""
-    from .restore import RestoreError, fetch_manifest
+    from verneuil_fuse.copier.restore import RestoreError, fetch_manifest
     try:
         m = fetch_manifest(store, key, info.version_id, max_db_size=max_db_size)
     except RestoreError as e:
@@ -60,7 +60,7 @@ def list_history(store, key: str) -> list:
 
 def load_all(store, key: str, infos: list, *, max_db_size: int, workers: int) -> list[Version]:
     """Every version of `infos` read, `workers` at a time, in the same order."""
-    from .pool import DaemonPool
+    from verneuil_fuse.copier.pool import DaemonPool
     pool = DaemonPool(max(1, workers), name="history")
     try:
         results = pool.map(lambda info: load_version(store, key, info, max_db_size), infos)
@@ -77,7 +77,7 @@ def load_all(store, key: str, infos: list, *, max_db_size: int, workers: int) ->
 def _missing_in(m, missing: set) -> int:
     """How many chunk blobs `m` needs (distinct chunks, and its base chunk)
     sit in objects of `missing`."""
-    from .. import format as fmt
+    from verneuil_fuse import format as fmt
     lost: set = set()
     for key, indices in fmt.stored_objects(m).items():
         if key not in missing:
@@ -93,9 +93,9 @@ def check_chunks(store, versions: list[Version], *, workers: int) -> None:
     """Set `missing_chunks` of every readable version: one existence check
     per distinct object of them all (a chunk object, or a pack in the
     packed layout), `workers` at a time."""
-    from .. import format as fmt
-    from .pool import DaemonPool
-    from .repair import find_missing
+    from verneuil_fuse import format as fmt
+    from verneuil_fuse.copier.pool import DaemonPool
+    from verneuil_fuse.copier.repair import find_missing
     needed: dict = {}
     for v in versions:
         if v.manifest is not None:

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Union
 
 import zstandard
 
-from . import manifest_pb2
-from .names import CHUNK_SIZE, ZERO_CHUNK_FPRINT
-from .umash import CHUNK_KEY, DIRECTORY_KEY, HEADER_KEY, Fprint, fingerprint
+from verneuil_fuse.format import manifest_pb2
+from verneuil_fuse.format.names import CHUNK_SIZE, ZERO_CHUNK_FPRINT
+from verneuil_fuse.format.umash import CHUNK_KEY, DIRECTORY_KEY, HEADER_KEY, Fprint, fingerprint
 
 if TYPE_CHECKING:
-    from .packs import PackedLayout
+    from verneuil_fuse.format.packs import PackedLayout
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # Verneuil's cap on a decompressed manifest (384 MiB: 16 bytes per 64 KiB
@@ -342,7 +342,7 @@ def encode_manifest(m: Manifest, base: Optional[bytes] = None) -> bytes:
         _set_fp(b.chunk_fprint, chunks[index])
         b.chunk_data = m.bundled[index]
     if m.layout is not None:
-        from .packs import layout_to_pb  # packs builds on this module
+        from verneuil_fuse.format.packs import layout_to_pb  # packs builds on this module
         layout_to_pb(v1, m.layout)
     return top.SerializeToString()
 
@@ -570,7 +570,7 @@ def decode_and_validate(blob: bytes,
     _take_bundled(v1, m)
     if 0 in m.bundled and header_fprint_of(m.bundled[0]) != m.header_fprint:
         raise ManifestError("header-fprint", "header_fprint does not match bytes [0, 100)")
-    from .packs import layout_from_pb  # packs builds on this module
+    from verneuil_fuse.format.packs import layout_from_pb  # packs builds on this module
     m.layout = layout_from_pb(v1, len(chunks))
     return m
 

@@ -10,8 +10,8 @@ import re
 import socket
 from typing import NamedTuple, Optional
 
-from .umash import (CHUNK_KEY, HOSTNAME_KEY, MANGLING_KEY, PATH_KEY, Fprint,
-                   fingerprint, hash64)
+from verneuil_fuse.format.umash import (CHUNK_KEY, HOSTNAME_KEY, MANGLING_KEY, PATH_KEY, Fprint, fingerprint,
+                                        hash64)
 
 CHUNK_SIZE = 65536  # Fixed by the format: SQLite's largest page size.
 

@@ -31,10 +31,10 @@ import dataclasses
 from array import array
 from typing import NamedTuple, Optional
 
-from . import manifest_pb2
-from .manifest import MAX_CHUNK_BLOB_BYTES, ChunkList, Manifest, ManifestError
-from .names import ZERO_CHUNK_FPRINT
-from .umash import Fprint
+from verneuil_fuse.format import manifest_pb2
+from verneuil_fuse.format.manifest import MAX_CHUNK_BLOB_BYTES, ChunkList, Manifest, ManifestError
+from verneuil_fuse.format.names import ZERO_CHUNK_FPRINT
+from verneuil_fuse.format.umash import Fprint
 
 # Prefix of every pack key; then the name space and the pack's fingerprint,
 # 32 lowercase hex digits each (70 characters in all: a valid flat key).

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import (
+from verneuil_fuse.store.base import (
     MAX_KEY_BYTES,
     AccessDenied,
     Backend,
@@ -42,9 +42,9 @@ from .base import (
     VersionInfo,
     check_key,
 )
-from .chunkread import read_chunk, read_run
-from .config import ENV_VAR, LAYOUT_CHUNKS, LAYOUT_PACKED, LAYOUTS, open_store, parse_config, store_target, target_url
-from .local import LocalBackend
+from verneuil_fuse.store.chunkread import read_chunk, read_run
+from verneuil_fuse.store.config import ENV_VAR, LAYOUT_CHUNKS, LAYOUT_PACKED, LAYOUTS, open_store, parse_config, store_target, target_url
+from verneuil_fuse.store.local import LocalBackend
 
 __all__ = [
     "ENV_VAR",
@@ -82,7 +82,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # S3Backend / make_client without importing boto3 for directory-only users.
     if name in ("S3Backend", "make_client"):
-        from . import s3
+        from verneuil_fuse.store import s3
 
         return getattr(s3, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

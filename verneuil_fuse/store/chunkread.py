@@ -17,7 +17,7 @@ itself are its `StoreError`s.
 """
 from __future__ import annotations
 
-from ..format import MAX_CHUNK_BLOB_BYTES, ChunkError, ChunkSource, Fprint, Run, decode_chunk
+from verneuil_fuse.format import MAX_CHUNK_BLOB_BYTES, ChunkError, ChunkSource, Fprint, Run, decode_chunk
 
 
 def read_blob(backend, source: ChunkSource) -> bytes:

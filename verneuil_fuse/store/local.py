@@ -41,7 +41,7 @@ import stat
 import time
 from typing import Iterator
 
-from .base import (
+from verneuil_fuse.store.base import (
     RESERVED_KEY_PREFIX,
     AccessDenied,
     BucketNotFound,

@@ -52,12 +52,12 @@ import botocore.exceptions
 import botocore.session
 from botocore.config import Config
 
-from .credentials import REFRESH_TIMEOUT, CredentialKeeper, CredentialsUnavailable
-from .curl import BodyTooLarge, CurlEngine, Request, Response
-from .retry import Backoff, retry
-from .listing import ListingFormatError, list_query, parse_list_page
+from verneuil_fuse.store.credentials import REFRESH_TIMEOUT, CredentialKeeper, CredentialsUnavailable
+from verneuil_fuse.store.curl import BodyTooLarge, CurlEngine, Request, Response
+from verneuil_fuse.store.retry import Backoff, retry
+from verneuil_fuse.store.listing import ListingFormatError, list_query, parse_list_page
 
-from .base import (
+from verneuil_fuse.store.base import (
     AccessDenied,
     BucketNotFound,
     ConfigError,
