@@ -278,7 +278,7 @@ def test_parse_chunk_name(text):
         fp = fmt.parse_chunk_name(text)
     except fmt.BadName:
         return
-    assert fmt.chunk_name(fp) == text  # only the canonical spelling is accepted
+    assert fp.name == text  # only the canonical spelling is accepted
 
 
 path_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=300)
@@ -438,7 +438,7 @@ def test_verneuil_config_env(value, how):
 
 # --------------------------------------------------------------- mount options
 
-OWN_OPTIONS = ["cache_dir", "cache_size", "mem_cache", "refresh", "readahead", "readahead_max", "cache_readahead_max",
+OWN_OPTIONS = ["cache_dir", "cache_size", "mem_cache", "refresh", "readahead", "readahead_max",
                "btree_prefetch", "btree_max", "concurrency", "prefetch_concurrency", "retries",
                "timeout", "hydrate", "entry_timeout", "read_ahead_kb", "log_file", "log_level",
                "uid", "gid", "umask", "subdir", "metrics_port", "metrics_address"]
@@ -472,7 +472,7 @@ def _mount_gate(argv):
     for name in ("refresh", "timeout", "entry_timeout"):
         v = getattr(opts, name)
         assert math.isfinite(v) and v >= 0, (name, v)
-    for name in ("cache_size", "mem_cache", "readahead_max", "cache_readahead_max", "btree_max", "concurrency", "retries"):
+    for name in ("cache_size", "mem_cache", "readahead_max", "btree_max", "concurrency", "retries"):
         v = getattr(opts, name)
         assert (v is None and name == "concurrency") or v >= 0, name  # None: the fetcher's default for the store
     # Owner and modes the kernel's attributes can hold; a port; a subtree

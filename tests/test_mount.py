@@ -203,8 +203,7 @@ def test_stats(env):
     assert stats["fetch"]["gets"] > 0
     db = stats["databases"]["/%s/data/big.db" % HOST]
     assert db["len"] == len(env.sources["/%s/data/big.db" % HOST]) and len(db["version"]) == 32
-    for key in ("mem_hits", "disk_hits", "disk_hits_inline", "prefetch_hits", "prefetch_waste",
-                "prefetch_advised", "get_bytes"):
+    for key in ("mem_hits", "disk_hits", "disk_hits_inline", "prefetch_hits", "prefetch_waste", "get_bytes"):
         assert key in stats["fetch"]
     disk = stats["fetch"]["disk_cache"]
     assert disk["chunks"] > 0 and 0 < disk["bytes"] <= disk["limit"] and disk["puts"] > 0

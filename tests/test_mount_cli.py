@@ -23,7 +23,7 @@ def run(*args, timeout=60):
 def test_help_lists_own_options():
     out = run("--help")
     assert out.returncode == 0
-    for name in ("cache_dir=", "cache_size=", "refresh=", "readahead_max=", "cache_readahead_max=", "btree_prefetch=",
+    for name in ("cache_dir=", "cache_size=", "refresh=", "readahead_max=", "btree_prefetch=",
                  "concurrency=", "hydrate", "allow_other", "deadline=", "max_db_size=", "follow=", "follow_interval="):
         assert name in out.stdout
 

@@ -91,11 +91,6 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
                           the poll (default 0.5)
   readahead=on|off        sequential readahead (default on)
   readahead_max=N         largest readahead window, in 64 KiB chunks (default 256)
-  cache_readahead_max=N   largest readahead window for chunks already in the
-                          disk cache, in chunks: no GET, the kernel is advised
-                          to read them from the cache's files (many reads in
-                          flight); 0 leaves that to the kernel's own readahead
-                          of those files (fewer, larger reads) (default 0)
   btree_prefetch=on|off   B-tree-aware prefetch of the sibling pages a scan
                           reads next (default on)
   btree_max=N             largest B-tree prefetch window, in chunks (default 32)
@@ -217,7 +212,6 @@ class Options:
     follow_interval: float | None = None  # None: reader.watch.DEFAULT_INTERVAL (imported only to mount)
     readahead: bool = True
     readahead_max: int = PrefetchConfig.readahead_max
-    cache_readahead_max: int = 0
     btree_prefetch: bool = True
     btree_max: int = 32
     concurrency: int | None = None  # the fetcher's default for the store
@@ -396,7 +390,6 @@ _OWN = {
     "follow_interval": _nonneg_seconds,
     "readahead": _bool,
     "readahead_max": _nonneg_int,
-    "cache_readahead_max": _nonneg_int,
     "btree_prefetch": _bool,
     "btree_max": _nonneg_int,
     "concurrency": _concurrency,
@@ -772,7 +765,6 @@ def _prefetch_config(opts: Options) -> PrefetchConfig:
         readahead=opts.readahead and opts.readahead_max > 0,
         btree=opts.btree_prefetch and opts.btree_max > 0,
         readahead_max=max(1, opts.readahead_max),
-        cache_readahead_max=opts.cache_readahead_max,
         btree_max=max(1, opts.btree_max),
     )
 

@@ -19,7 +19,7 @@ from verneuil_fuse.format.packs import (MAX_PACK_BYTES, MAX_RUN_BYTES, PACK_KEY_
                                         PackedLayout, Run, chunk_runs, chunk_source, pack_key, parse_pack_key,
                                         space_prefix, stored_objects, strip_layout, with_layout)
 from verneuil_fuse.format.names import (CHUNK_SIZE, ZERO_CHUNK_FPRINT, ZERO_CHUNK_NAME, BadName, ManifestName,
-                                        chunk_fingerprint, chunk_name, local_hostname, manifest_name,
+                                        chunk_fingerprint, local_hostname, manifest_name,
                                         parse_chunk_name, parse_manifest_name, percent_encode)
 from verneuil_fuse.format.umash import (CHUNK_KEY, DIRECTORY_KEY, HEADER_KEY, HOSTNAME_KEY, KEYS,
                                         MANGLING_KEY, PATH_KEY, Fprint, active_impl, derived_params,

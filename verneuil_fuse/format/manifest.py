@@ -294,13 +294,6 @@ def _set_fp(msg, fp: Fprint) -> None:
     msg.major, msg.minor = fp
 
 
-def xor_words(words: list[int], base: bytes) -> list[int]:
-    """`words` XOR-ed with the u64 words of `base`, zero-padded (docs/FORMAT.md)."""
-    n = min(len(base) // 8, len(words))
-    base_words = struct.unpack("<%dQ" % n, base[:8 * n])
-    return [w ^ base_words[i] for i, w in enumerate(words[:n])] + words[n:]
-
-
 def _xor_array(words: array, base: bytes) -> None:
     """XOR `words` (an array('Q'), in place) with the u64 words of `base`
     (at most 64 KiB, so at most 8192 words are touched)."""

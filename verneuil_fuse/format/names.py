@@ -36,11 +36,6 @@ class BadName(ValueError):
     """A string that is not a valid chunk or manifest name."""
 
 
-def chunk_name(fp: Fprint) -> str:
-    """`%016x%2F%016x` of the fingerprint (35 characters, no real slash)."""
-    return "%016x%%2F%016x" % (fp[0], fp[1])
-
-
 def parse_chunk_name(name: str) -> Fprint:
     """The fingerprint a chunk name spells; BadName if it spells none."""
     m = _CHUNK_NAME_RE.match(name)

@@ -54,8 +54,7 @@ What the fetcher uses: from the trio thread, the calls that never wait on
 the disk (`has_indexed`, `might_have`, `get_nowait`, ``read_into(...,
 nowait=True)``, `reserve`, `CacheSlot.abandon`, and `CacheSlot.target` and
 `CacheSlot.written` around the chunk engine's own writes); from worker
-threads, those that may (`get`, `has_blocking`, `read_into`, `advise`,
-`put`, `CacheSlot.write`); `describe` and `capacity` for its stats. All
+threads, those that may (`get`, `has_blocking`, `read_into`, `put`, `CacheSlot.write`); `describe` and `capacity` for its stats. All
 methods are thread-safe.
 """
 from __future__ import annotations
@@ -406,43 +405,6 @@ class ChunkCache:
         I/O, so the trio thread may ask; chunks other processes stored since
         the last rescan are not seen (`has_blocking` looks for them)."""
         return fp in self._index
-
-    def advise(self, fps) -> int:
-        """Ask the kernel to read these cached chunks into its page cache in
-        the background (``POSIX_FADV_WILLNEED`` on coalesced ranges), so that
-        `get_nowait` finds them. Returns the number of ranges advised."""
-        spans: dict[_Segment, list[tuple[int, int]]] = {}
-        with self._lock:
-            for fp in fps:
-                loc = self._index.get(fp)
-                if loc is not None:
-                    spans.setdefault(loc[0], []).append((loc[1], loc[1] + loc[2]))
-            for seg in spans:
-                try:
-                    self._read_fd_locked(seg)
-                    seg.readers += 1
-                except OSError:
-                    spans[seg] = []
-        advised = 0
-        for seg, ranges in spans.items():
-            if not ranges:
-                continue
-            try:
-                ranges.sort()
-                start, end = ranges[0]
-                for a, b in ranges[1:] + [(-1, -1)]:
-                    if a == end:
-                        end = b
-                        continue
-                    os.posix_fadvise(seg.fd, start, end - start, os.POSIX_FADV_WILLNEED)
-                    advised += 1
-                    start, end = a, b
-            except OSError as e:
-                log.debug("fadvise on cache segment %s: %s", seg.name, e)
-            finally:
-                with self._lock:
-                    self._release_locked(seg)
-        return advised
 
     def might_have(self, fp: Fprint) -> bool:
         """False when `get` and `has_blocking` would surely say no: the index

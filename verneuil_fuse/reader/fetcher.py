@@ -60,7 +60,6 @@ from verneuil_fuse.format import (
     ChunkSource,
     Fprint,
     base_chunk_blob_limit,
-    chunk_name,
     decode_and_validate,
     decode_base_chunk,
     manifest_blob_limit,
@@ -132,7 +131,6 @@ STAT_NAMES = (
     "prefetch_requested",
     "prefetch_started",
     "prefetch_skipped",  # in memory or under way
-    "prefetch_advised",  # in the disk cache: kernel readahead asked
     "disk_hits_inline",  # served from the page cache without a thread
     "prefetch_dropped",  # too many prefetches under way
     "prefetch_fetched",  # downloaded by a prefetch
@@ -277,8 +275,6 @@ class Fetcher:
         self._prefetched_unused: set[Fprint] = set()
         # Chunks recently fetched for reads: fingerprint -> (expiry, bytes).
         self._held: OrderedDict[Fprint, tuple[float, bytes]] = OrderedDict()
-        self._to_advise: list[Fprint] = []  # for `_advise_loop`
-        self._advising = False
         self._to_write: list[tuple[Fprint, bytes, CacheSlot | None]] = []  # for `_write_loop`
         self._writing = False
         # Chunk GETs on the chunk engine, many per submission, where the
@@ -350,7 +346,7 @@ class Fetcher:
             # encodes (docs/FORMAT.md), so larger than a chunk object may be.
             # Read once per decode, not cached, a few attempts.
             blob = self._store_retrying(lambda: self.store.chunks.get(
-                chunk_name(fp), max_bytes=base_chunk_blob_limit(self.max_db_size)))
+                fp.name, max_bytes=base_chunk_blob_limit(self.max_db_size)))
             return decode_base_chunk(blob, fp, self.max_db_size)
 
         return await self.run_blocking(
@@ -493,9 +489,8 @@ class Fetcher:
         Chunks in the disk cache are read straight into the destinations, in
         as few system calls as their places in the segments allow, in this
         thread: a request of several chunks is the kernel's readahead of a
-        sequential read, whose chunks the prefetcher's advice (or the
-        kernel's readahead of the segment files) has usually brought into the
-        page cache already, and a blocking read here costs less than a hop to
+        sequential read, whose chunks the kernel's readahead of the segment
+        files has usually brought into the page cache already, and a blocking read here costs less than a hop to
         a worker thread for the others (docs/READER.md, Prefetch). Chunks in
         memory are copied; the others (not cached, under way, damaged) are
         joined or started as flights, all waited for at once.
@@ -566,33 +561,24 @@ class Fetcher:
         """Copy a chunk's bytes into its destination, or note an error if it
         has another length than the request needs."""
         if len(data) != len(dest):
-            errors.append(FetchError("chunk %s has %d bytes, not %d" % (chunk_name(fp), len(data), len(dest))))
+            errors.append(FetchError("chunk %s has %d bytes, not %d" % (fp.name, len(data), len(dest))))
         else:
             dest[:] = data
 
-    def prefetch(self, fps: Iterable[Fprint], *, fetch: bool = True, advise: bool = True,
-                 sources: list[ChunkSource] | None = None) -> int:
-        """Start fetching chunks in the background, skipping those in memory
-        or under way; for chunks in the disk cache, ask the kernel to read
-        them into its page cache instead (no GET, no thread per chunk).
-        ``fetch=False`` only advises the cached chunks, ``advise=False`` only
-        fetches the others; ``sources`` as for `read_into`. Returns how many
-        flights (GETs) were started."""
+    def prefetch(self, fps: Iterable[Fprint], *, sources: list[ChunkSource] | None = None) -> int:
+        """Start fetching chunks in the background, skipping those in memory,
+        under way or in the disk cache (the kernel's readahead of the
+        cache's files brings those in); ``sources`` as for `read_into`.
+        Returns how many flights (GETs) were started."""
         started = 0
-        to_advise: list[Fprint] = []
         cache = self.cache
-        paused = fetch and self.limit.paused  # the store throttles: its GETs go to demand reads
+        paused = self.limit.paused  # the store throttles: its GETs go to demand reads
         for k, fp in enumerate(fps):
             if fp in self.mem or fp in self._inflight:
-                if fetch:
-                    self.stats["prefetch_requested"] += 1
-                    self.stats["prefetch_skipped"] += 1
+                self.stats["prefetch_requested"] += 1
+                self.stats["prefetch_skipped"] += 1
                 continue
             if cache is not None and cache.has_indexed(fp):
-                if advise:
-                    to_advise.append(fp)
-                continue
-            if not fetch:
                 continue
             self.stats["prefetch_requested"] += 1
             if paused:
@@ -606,32 +592,7 @@ class Fetcher:
         self.stats["prefetch_started"] += started
         if started:
             self._engine.pump()
-        if to_advise:
-            self.stats["prefetch_requested"] += len(to_advise)
-            self.stats["prefetch_advised"] += len(to_advise)
-            self._to_advise.extend(to_advise)
-            if not self._advising:
-                assert self._nursery is not None
-                self._advising = True
-                self._nursery.start_soon(self._advise_loop)
         return started
-
-    async def _advise_loop(self) -> None:
-        """Chunks already in the disk cache: have the kernel read them ahead,
-        so demand finds them in its page cache. fadvise may block on the disk,
-        so it runs in a thread, one hop at a time for every chunk queued
-        meanwhile: a hop per read request cost the trio thread more in thread
-        handoffs than it saved (a warm read ran about 30 % slower)."""
-        assert self.cache is not None
-        try:
-            while self._to_advise:
-                fps, self._to_advise = self._to_advise, []
-                try:
-                    await trio.to_thread.run_sync(self.cache.advise, fps, limiter=self.cache_limiter)
-                except Exception:  # noqa: BLE001 - a hint
-                    log.debug("cannot advise the cache", exc_info=True)
-        finally:
-            self._advising = False
 
     async def hydrate(self, fps: Iterable[Fprint], parallel: int | None = None,
                       progress: HydrateProgress | None = None,
@@ -854,7 +815,7 @@ class Fetcher:
         ``deadline`` seconds have passed (queueing for a GET slot included);
         then FetchError. ``failed``: attempts already made on the engine path
         (whose deadline started then), ``last`` the error of the last."""
-        name = chunk_name(fp)
+        name = fp.name
         source = flight.source if flight.source is not None else ChunkSource(name)
         if not failed:
             flight.deadline = trio.current_time() + self.deadline
@@ -955,7 +916,7 @@ class Fetcher:
         """`FlightOwner`, in trio: a GET of the engine path answered (its
         slots given back). Bytes finish the flight; an error worth a retry
         hands it to a task (`_fly`), any other (or the last) fails it."""
-        name = chunk_name(flight.fp)
+        name = flight.fp.name
         self.limit.answered(result if isinstance(result, BaseException) else None)
         if not isinstance(result, BaseException):
             self.stats["get_bytes"] += size
@@ -981,7 +942,7 @@ class Fetcher:
         """`FlightOwner`: a demand flight waited for a GET slot until its
         deadline (a store that holds every slot without answering): failed."""
         error = TimeoutError("no answer from the store within the %.0fs deadline (last: none)" % self.deadline)
-        self._fail(flight, self._gave_up(chunk_name(flight.fp), 0, error))
+        self._fail(flight, self._gave_up(flight.fp.name, 0, error))
         self._finish(flight)
 
     def run_in_task(self, flight: Flight) -> None:

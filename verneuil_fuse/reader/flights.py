@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import trio
 
-from verneuil_fuse.format import MAX_CHUNK_BLOB_BYTES, ChunkSource, Fprint, chunk_mismatch, chunk_name
+from verneuil_fuse.format import MAX_CHUNK_BLOB_BYTES, ChunkSource, Fprint, chunk_mismatch
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache
 from verneuil_fuse.reader.chunk_engine import ChunkEngine, Outcome
 from verneuil_fuse.store import StoreError
@@ -97,7 +97,7 @@ def store_chunk(cache: ChunkCache, fp: Fprint, data: bytes, slot: CacheSlot | No
         else:
             cache.put(fp, data)
     except Exception:  # noqa: BLE001 - reads go on from the store
-        log.exception("cannot write chunk %s to the cache", chunk_name(fp))
+        log.exception("cannot write chunk %s to the cache", fp.name)
     finally:
         if slot is not None:
             slot.abandon()  # if `write` failed
@@ -281,7 +281,7 @@ class EnginePath:
             now = trio.current_time()
             timeout = owner.timeout
             try:
-                engine.start((f, gets.url(chunk_name(f.fp)), f.fp,
+                engine.start((f, gets.url(f.fp.name), f.fp,
                               f.slot.target(f.fp) if f.slot is not None else None,
                               min(timeout, max(f.deadline - now, MIN_ATTEMPT_TIMEOUT))) for f in batch)
             except (OSError, ValueError) as e:  # a URL it cannot send, an engine closing
@@ -376,7 +376,7 @@ class EnginePath:
         if outcome.mismatch:
             return chunk_mismatch(fp)
         assert outcome.failure is not None
-        error = self._backend.direct_get_error(chunk_name(fp), outcome.failure, MAX_CHUNK_BLOB_BYTES)
+        error = self._backend.direct_get_error(fp.name, outcome.failure, MAX_CHUNK_BLOB_BYTES)
         if error is None:
             self._turn_off()
         return error
@@ -394,7 +394,7 @@ class EnginePath:
         engine, gets = ready
         wait = _OneGet()
         try:
-            engine.start([(wait, gets.url(chunk_name(fp)), fp, None, self._owner.timeout)])
+            engine.start([(wait, gets.url(fp.name), fp, None, self._owner.timeout)])
         except (OSError, ValueError):
             return None  # a thread, then
         await wait.event.wait()
