@@ -146,7 +146,8 @@ def restored(store, w) -> bytes:
 def test_ready_then_staging_round_trip(env_any):
     tmp, spool, store, db, w = env_any
     on_engine = []
-    put_async = getattr(store.chunks, "put_async", None)
+    puts = store.chunks.capabilities().async_puts
+    put_async = puts.put_async if puts is not None else None
     if put_async is not None:  # S3: an unpaced copier's chunk PUTs go on the engine
 
         def counted(key, data, done):

@@ -13,8 +13,7 @@ from support.replicas import publish
 from verneuil_fuse.reader.cache import FORMAT_DIR, ChunkCache
 from verneuil_fuse.reader.fetcher import FetchError, Fetcher
 from verneuil_fuse.format import compress_chunk, fingerprint
-from verneuil_fuse.store import NotFound, TransientError
-from verneuil_fuse.store.s3 import DirectGets
+from verneuil_fuse.store import Capabilities, DirectGets, NotFound, TransientError
 
 
 class Faulty:
@@ -381,6 +380,9 @@ class SilentEngine:
         self.failures: list = []
         self.server = socket.create_server(("127.0.0.1", 0), backlog=64)
 
+    def capabilities(self):
+        return Capabilities(direct=self)
+
     def direct_gets(self):
         port = self.server.getsockname()[1]
         return DirectGets(lambda key: self.sent.append(key) or "http://127.0.0.1:%d/b/%s" % (port, key),
@@ -429,6 +431,9 @@ class RefusingEngine:
     def __init__(self, inner):
         self.inner = inner
         self.asked = 0
+
+    def capabilities(self):
+        return Capabilities(direct=self)
 
     def direct_gets(self):
         self.asked += 1

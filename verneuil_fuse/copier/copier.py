@@ -50,7 +50,7 @@ import time
 from typing import Callable, Iterator, Optional
 
 from verneuil_fuse import format as fmt
-from verneuil_fuse.store import NotFound, StoreError, TransientError
+from verneuil_fuse.store import LAYOUT_PACKED, NotFound, StoreError, TransientError
 from verneuil_fuse.copier import spool as sp
 from verneuil_fuse.copier.packer import Packer, Unplaced
 from verneuil_fuse.copier.pacing import (DEFAULT_BURST, DEFAULT_RATE, Backoff, RecentSet, Stopped,
@@ -182,7 +182,7 @@ class Copier:
         self._next_cleanup = 0.0
         self._deadline: Optional[float] = None  # set by flush(timeout)
         # The packed layout's path (None: Verneuil's, an object per chunk).
-        self.packer = Packer(self) if getattr(store, "layout", "chunks") == "packed" else None
+        self.packer = Packer(self) if store.layout == LAYOUT_PACKED else None
 
     # -- plumbing -----------------------------------------------------------
 
@@ -366,8 +366,8 @@ class Copier:
         `_upload_chunk_file` (which paces, retries, creates a missing bucket
         and says why a request failed): every name without an engine, else
         those whose turn came at a deadline or a stop, or whose PUT failed."""
-        put_async = getattr(self.store.chunks, "put_async", None)
-        if put_async is None or self.bucket.rate or len(names) < 2:
+        puts = self.store.chunks.capabilities().async_puts
+        if puts is None or self.bucket.rate or len(names) < 2:
             return names, 0
         in_flight = InFlight(ASYNC_PUTS_IN_FLIGHT)
         failed: list[str] = []
@@ -392,7 +392,7 @@ class Copier:
 
             in_flight.enter()
             try:
-                started = put_async(name, blob, done)
+                started = puts.put_async(name, blob, done)
             except BaseException:
                 in_flight.leave()
                 raise

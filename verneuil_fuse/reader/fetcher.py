@@ -244,6 +244,7 @@ class Fetcher:
         self.max_prefetch_flights = max_prefetch_flights
         self.max_db_size = max_db_size
         self.manifest_limit = manifest_blob_limit(max_db_size)
+        self.capabilities = store.chunks.capabilities()
         self._init_limiters(concurrency, prefetch_concurrency)
         self._init_flights()
         self._init_health()
@@ -253,7 +254,7 @@ class Fetcher:
 
     def _init_limiters(self, concurrency: int | None, prefetch_concurrency: int | None) -> None:
         if concurrency is None:
-            threads = not callable(getattr(self.store.chunks, "direct_gets", None))
+            threads = self.capabilities.direct is None
             concurrency = DEFAULT_THREAD_CONCURRENCY if threads else DEFAULT_CONCURRENCY
         # Store I/O (GET + decode in one thread hop), its size adapting to the
         # store's throttling (`throttle.AdaptiveLimit`).
@@ -279,7 +280,7 @@ class Fetcher:
         self._writing = False
         # Chunk GETs on the chunk engine, many per submission, where the
         # backend gives their URLs (`flights.EnginePath`).
-        self._engine = EnginePath(self, self.store.chunks, self.io_limiter.total_tokens)
+        self._engine = EnginePath(self, self.capabilities.direct, self.io_limiter.total_tokens)
 
     def _init_health(self) -> None:
         # Chunks given up on: fingerprint -> (trio time, the error).
@@ -983,7 +984,7 @@ class Fetcher:
             "deadline": self.deadline,
             "max_db_size": self.max_db_size,
         }
-        keeper = getattr(self.store.chunks, "credentials", None)
+        keeper = self.capabilities.credentials
         if keeper is not None:
             out["store"]["credentials"] = keeper.describe()
         out["engine_path"] = self._engine.available

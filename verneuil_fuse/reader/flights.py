@@ -43,7 +43,7 @@ import trio
 from verneuil_fuse.format import MAX_CHUNK_BLOB_BYTES, ChunkSource, Fprint, chunk_mismatch
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache
 from verneuil_fuse.reader.chunk_engine import ChunkEngine, Outcome
-from verneuil_fuse.store import StoreError
+from verneuil_fuse.store import DirectReads, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +137,15 @@ class _OneGet:
 
 class EnginePath:
     """The flights queued for, or on, the chunk engine (see the module's
-    docstring). ``backend``: the chunks backend, whose `direct_gets` gives
-    the URLs and signing (none: no engine path); ``requests``: the engine's
-    GETs in flight at most (the fetcher's GET slots)."""
+    docstring). ``backend``: the chunks backend's direct reads, whose
+    `direct_gets` gives the URLs and signing (None: no engine path);
+    ``requests``: the engine's GETs in flight at most (the fetcher's GET
+    slots)."""
 
-    def __init__(self, owner: FlightOwner, backend: Any, requests: int):
+    def __init__(self, owner: FlightOwner, backend: DirectReads | None, requests: int):
         self._owner = owner
-        self._backend = backend if callable(getattr(backend, "direct_gets", None)) else None
-        self._off = self._backend is None  # no engine path (or turned off)
+        self._backend = backend
+        self._off = backend is None  # no engine path (or turned off)
         self._requests = requests + SPARE_REQUESTS
         self._engine: ChunkEngine | None = None  # made at the first GET, ended with the nursery
         self.queued_demand: deque[Flight] = deque()

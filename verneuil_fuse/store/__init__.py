@@ -12,8 +12,10 @@ This package owns every access to blob storage; boto3 is imported only here
 - `read_chunk(backend, source, fp)` / `read_run`: one verified read of a
   chunk (or of a run of adjacent chunks of a pack) where
   `format.chunk_source` says it is, in either layout (`chunkread`).
-- `Store` (``chunks``, ``manifests``, ``url``, ``layout``), the `Backend` protocol,
-  `ObjectInfo`, `VersionInfo`, `Tagged`, and the errors: `StoreError` > `NotFound`,
+- `Store` (``chunks``, ``manifests``, ``url``, ``layout``), the `Backend` protocol
+  and the `Capabilities` a backend may have (`DirectReads` with its
+  `DirectGets`, `AsyncPuts`, `CredentialsView`), `ObjectInfo`, `VersionInfo`,
+  `Tagged`, and the errors: `StoreError` > `NotFound`,
   `BucketNotFound`, `AccessDenied`, `TransientError`, `TooLarge`,
   `InvalidKey`, `ConfigError`.
 - Implementations: `LocalBackend` (here) and `S3Backend` / `make_client`
@@ -25,10 +27,16 @@ from typing import Any
 
 from verneuil_fuse.store.base import (
     MAX_KEY_BYTES,
+    NO_CAPABILITIES,
     AccessDenied,
+    AsyncPuts,
     Backend,
     BucketNotFound,
+    Capabilities,
     ConfigError,
+    CredentialsView,
+    DirectGets,
+    DirectReads,
     InvalidKey,
     NotFound,
     ObjectInfo,
@@ -52,10 +60,16 @@ __all__ = [
     "LAYOUT_CHUNKS",
     "LAYOUT_PACKED",
     "MAX_KEY_BYTES",
+    "NO_CAPABILITIES",
     "AccessDenied",
+    "AsyncPuts",
     "Backend",
     "BucketNotFound",
+    "Capabilities",
     "ConfigError",
+    "CredentialsView",
+    "DirectGets",
+    "DirectReads",
     "InvalidKey",
     "LocalBackend",
     "NotFound",
@@ -81,8 +95,12 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # S3Backend / make_client without importing boto3 for directory-only users.
-    if name in ("S3Backend", "make_client"):
-        from verneuil_fuse.store import s3
+    if name == "S3Backend":
+        from verneuil_fuse.store.s3 import S3Backend
 
-        return getattr(s3, name)
+        return S3Backend
+    if name == "make_client":
+        from verneuil_fuse.store.s3 import make_client
+
+        return make_client
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

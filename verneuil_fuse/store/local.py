@@ -42,9 +42,11 @@ import time
 from typing import Iterator
 
 from verneuil_fuse.store.base import (
+    NO_CAPABILITIES,
     RESERVED_KEY_PREFIX,
     AccessDenied,
     BucketNotFound,
+    Capabilities,
     InvalidKey,
     NotFound,
     ObjectInfo,
@@ -143,8 +145,13 @@ class LocalBackend:
     def identity(self) -> str:
         return "file://" + os.path.realpath(self.root)
 
+    def capabilities(self) -> Capabilities:
+        """None beyond `Backend`'s calls: reads and writes are file system
+        calls in the caller's thread."""
+        return NO_CAPABILITIES
+
     def close(self) -> None:
-        """Nothing to release; present for symmetry with S3Backend."""
+        """Nothing to release."""
 
     def __repr__(self) -> str:
         return f"LocalBackend({self.root!r})"
