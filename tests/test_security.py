@@ -132,14 +132,15 @@ def test_symlinks_planted_in_a_store_are_not_followed(tmp_path):
     st_ = os.stat(target)
     assert (st_.st_mtime_ns, st_.st_size) == (old.st_mtime_ns, old.st_size)
     # Through the restore path too: a symlinked chunk is an error, never bytes.
-    from verneuil_fuse.copier import RestoreError, fetch_manifest, restore_bytes
+    from verneuil_fuse.copier import fetch_manifest, restore_bytes
+    from verneuil_fuse.store import ReadError
     store = open_store("file://" + os.path.join(str(tmp_path), "store"))
     data = b"SQLite format 3\x00" + os.urandom(2 * fmt.CHUNK_SIZE)
     pub = publish(store, data, "/db/x.db")
     fp = pub.manifest.chunks[1]
     os.unlink(os.path.join(root, fp.name))
     os.symlink(target, os.path.join(root, fp.name))
-    with pytest.raises(RestoreError):
+    with pytest.raises(ReadError):
         restore_bytes(store, fetch_manifest(store, pub.key))
 
 

@@ -71,9 +71,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         # what an operator reads in its log, so INFO is its default.
         args.verbose = max(args.verbose, 1)
     _setup_logging(args.verbose, args.quiet)
-    from verneuil_fuse.copier import NotASpool, RestoreError, Stopped
+    from verneuil_fuse.copier import NotASpool, Stopped
     from verneuil_fuse.format import BadName, ChunkError, ManifestError
-    from verneuil_fuse.store import ConfigError, StoreError
+    from verneuil_fuse.store import ConfigError, ReadError, StoreError
     try:
         return args.func(args)
     except UserError as e:
@@ -85,7 +85,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except NotASpool as e:
         print_error(str(e))
         return EXIT_USAGE
-    except (StoreError, RestoreError, ManifestError, ChunkError, BadName, TimeoutError) as e:
+    except (StoreError, ReadError, ManifestError, ChunkError, BadName, TimeoutError) as e:
         print_error(str(e))
         return EXIT_ERROR
     except Stopped:

@@ -72,27 +72,30 @@ def manifest_key(args) -> str:
                     "-m/--manifest NAME or --manifest-file FILE", EXIT_USAGE)
 
 
+def store_reads(args, store):
+    """The reads of `store` bounded by --max-db-size (default
+    `format.DEFAULT_MAX_DB_SIZE`), their refusals saying how to raise it."""
+    from verneuil_fuse import format as fmt
+    from verneuil_fuse.copier.restore import RAISE_LIMIT_HINT
+    from verneuil_fuse.store import Reads
+    return Reads(store, max_db_size=getattr(args, "max_db_size", None) or fmt.DEFAULT_MAX_DB_SIZE,
+                 hint=RAISE_LIMIT_HINT)
+
+
 def load_manifest(args, store):
     """(name, Manifest) from --manifest-file, -m, or --hostname + -s; no
     manifest larger than --max-db-size allows is read past that bound."""
-    from verneuil_fuse import format as fmt
-    from verneuil_fuse.copier.restore import RAISE_LIMIT_HINT, decode_manifest, fetch_manifest
-    max_db_size = getattr(args, "max_db_size", None) or fmt.DEFAULT_MAX_DB_SIZE
     if getattr(args, "manifest_file", None):
-        limit = fmt.manifest_blob_limit(max_db_size)
-        blob = read_input(args.manifest_file, max_bytes=limit)
-        if len(blob) > limit:
-            raise UserError("manifest file %s is larger than %d bytes, the limit for databases "
-                            "of up to %s (max_db_size); %s"
-                            % (args.manifest_file, limit, fmt.format_size(max_db_size),
-                               RAISE_LIMIT_HINT))
-        return os.path.basename(args.manifest_file), decode_manifest(
-            blob, store, "manifest file %s" % args.manifest_file, max_db_size=max_db_size)
+        reads = store_reads(args, store)
+        what = "manifest file %s" % args.manifest_file
+        blob = read_input(args.manifest_file, max_bytes=reads.manifest_limit)
+        if len(blob) > reads.manifest_limit:
+            raise UserError(str(reads.manifest_too_large(what, None)))
+        return os.path.basename(args.manifest_file), reads.load_blob(blob, what)
     if store is None:
         store = store_from_args(args, read_only=True)
     name = manifest_key(args)
-    return name, fetch_manifest(store, name, getattr(args, "version_id", None),
-                                max_db_size=max_db_size)
+    return name, store_reads(args, store).load(name, getattr(args, "version_id", None))
 
 
 def fmt_time(seconds: float) -> str:

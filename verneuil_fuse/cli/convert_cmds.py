@@ -22,7 +22,7 @@ def _convert_targets(args, store) -> list[str]:
 
 def cmd_convert(args) -> int:
     from verneuil_fuse.copier.convert import DEFAULT_WORKERS, convert_database
-    from verneuil_fuse.copier.restore import RestoreError
+    from verneuil_fuse.store import ReadError
     workers = DEFAULT_WORKERS if args.workers is None else args.workers
     if workers < 1:
         raise UserError("--workers must be at least 1", EXIT_USAGE)
@@ -37,7 +37,7 @@ def cmd_convert(args) -> int:
             progress = PhaseProgress(label, not args.quiet)
             try:
                 r = convert_database(store, name, args.to, workers=workers, progress=progress)
-            except RestoreError as e:
+            except ReadError as e:
                 progress.finish()
                 print_error("%s: %s" % (name, e))
                 failed += 1

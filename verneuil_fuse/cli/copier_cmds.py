@@ -256,21 +256,18 @@ def _staged_matches(db, path: str) -> bool:
     """Whether the staged manifest of `db` describes the file at `path` now."""
     from verneuil_fuse import format as fmt
     from verneuil_fuse.copier import spool as sp
-    from verneuil_fuse.format import manifest_pb2
     meta = db.sub(sp.STAGING, sp.META)
     with open(path, "rb") as f:
         header = fmt.header_fprint_of(f.read(100))
     for name in sp.listdir_or_empty(meta):
         # Only the header fingerprint is needed: no full validation (which a
         # manifest XOR-ed with a base chunk could not pass without the store).
-        top = manifest_pb2.Manifest()
         try:
             with open(os.path.join(meta, name), "rb") as f:
-                top.ParseFromString(f.read())
-        except Exception:
+                staged = fmt.stored_fields(f.read())
+        except (OSError, fmt.ManifestError):
             continue
-        fp = top.v1.header_fprint
-        if (fp.major, fp.minor) == tuple(header):
+        if staged.header_fprint == header:
             return True
     return False
 

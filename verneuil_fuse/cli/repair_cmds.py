@@ -60,7 +60,7 @@ def _repair_advice(report) -> str:
 
 def cmd_repair(args) -> int:
     from verneuil_fuse.copier.repair import DEFAULT_WORKERS, NoManifest, repair_database
-    from verneuil_fuse.copier.restore import RestoreError
+    from verneuil_fuse.store import ReadError
     workers = DEFAULT_WORKERS if args.workers is None else args.workers
     if workers < 1:
         raise UserError("--workers must be at least 1", EXIT_USAGE)
@@ -81,7 +81,7 @@ def cmd_repair(args) -> int:
                 failed.append((source, name, "nothing to repair: %s (was it replicated to this "
                                "store, from this host? `verneuilctl ls` lists what the store "
                                "holds)" % e))
-            except RestoreError as e:
+            except ReadError as e:
                 failed.append((source, name, str(e)))
             except OSError as e:
                 failed.append((source, name, "cannot read it: %s" % (e.strerror or e)))

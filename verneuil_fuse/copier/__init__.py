@@ -19,8 +19,7 @@ from typing import Optional
 
 from verneuil_fuse.copier.copier import BadSnapshot, Copier, CopierStats, OtherStore
 from verneuil_fuse.copier.pacing import DEFAULT_BURST, DEFAULT_RATE, Backoff, Stopped, TokenBucket
-from verneuil_fuse.copier.restore import (RestoreError, decode_manifest, fetch_manifest, restore_bytes,
-                                          restore_to_path, write_snapshot)
+from verneuil_fuse.copier.restore import fetch_manifest, restore_bytes, restore_to_path, write_snapshot
 from verneuil_fuse.copier.spool import NotASpool
 from verneuil_fuse.copier.status import spool_status
 
@@ -28,8 +27,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BackgroundCopier", "BadSnapshot", "Backoff", "Copier", "CopierStats", "OtherStore",
-    "DEFAULT_BURST", "DEFAULT_RATE", "NotASpool", "RestoreError",
-    "Stopped", "TokenBucket", "decode_manifest", "fetch_manifest", "restore_bytes",
+    "DEFAULT_BURST", "DEFAULT_RATE", "NotASpool",
+    "Stopped", "TokenBucket", "fetch_manifest", "restore_bytes",
     "restore_to_path", "spool_status", "start_background", "write_snapshot",
 ]
 

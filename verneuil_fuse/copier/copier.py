@@ -50,7 +50,7 @@ import time
 from typing import Callable, Iterator, Optional
 
 from verneuil_fuse import format as fmt
-from verneuil_fuse.store import LAYOUT_PACKED, NotFound, StoreError, TransientError
+from verneuil_fuse.store import LAYOUT_PACKED, NotFound, Reads, StoreError, TransientError
 from verneuil_fuse.copier import spool as sp
 from verneuil_fuse.copier.packer import Packer, Unplaced
 from verneuil_fuse.copier.pacing import (DEFAULT_BURST, DEFAULT_RATE, Backoff, RecentSet, Stopped,
@@ -155,6 +155,9 @@ class Copier:
         self._stopped_said: set[str] = set()  # databases whose refusal was logged
         sp.check_spool(self.spool_dir, create=create_spool)
         self.store = store
+        # The store's manifests and chunks read back (base chunks, the
+        # store's current manifest), bounded by max_db_size, paced and retried.
+        self.reads = Reads(store, max_db_size=max_db_size, request=self._request)
         self.bucket = TokenBucket(rate, burst)
         self.backoff = backoff or Backoff()
         self.lock_timeout = lock_timeout
@@ -273,12 +276,6 @@ class Copier:
             os.close(fd)  # releases the flock
 
     # -- chunks ---------------------------------------------------------------
-
-    def _fetch_chunk(self, fp: fmt.Fprint) -> bytes:
-        """A base chunk, for a staged manifest that names one."""
-        blob = self._request(lambda: self.store.chunks.get(fp.name, max_bytes=fmt.base_chunk_blob_limit()),
-                             "get base chunk")
-        return fmt.decode_base_chunk(blob, fp)
 
     def _upload_chunk_file(self, db: sp.DbDir, dirpath: str, name: str) -> bool:
         """Upload one chunk file and unlink it; False if it was a bad copy of
@@ -414,7 +411,7 @@ class Copier:
 
     def _validate(self, raw: bytes) -> fmt.Manifest:
         try:
-            return fmt.decode_and_validate(raw, fetch_chunk=self._fetch_chunk, max_db_size=self.max_db_size)
+            return self.reads.decode(raw)
         except fmt.ManifestError as e:
             raise (PastBound if e.rule == "size-limit" else BadSnapshot)(str(e)) from None
 
@@ -470,23 +467,8 @@ class Copier:
             self.packer.collect(db, name)
 
     def _store_has(self, name: str, raw: bytes) -> bool:
-        """Whether the store's current manifest `name` holds exactly `raw`."""
-        try:
-            blob = self._request(lambda: self.store.manifests.get(name), "get manifest")
-        except NotFound:
-            return False
-        if blob == raw:
-            return True
-        if self.packer is not None:
-            return self.packer.store_copy(blob) == raw
-        if blob.startswith(fmt.ZSTD_MAGIC):
-            import zstandard
-            try:
-                with zstandard.ZstdDecompressor().stream_reader(blob) as r:
-                    return r.read(len(raw) + 1) == raw
-            except zstandard.ZstdError:
-                return False
-        return False
+        """Whether the store's current manifest `name` is the staged `raw`."""
+        return bool(self.reads.holds(name, raw))
 
     # -- touching live chunks -------------------------------------------------
 

@@ -14,7 +14,8 @@ from verneuil_fuse.format.manifest import (CHUNK_ZSTD_LEVEL, DEFAULT_MAX_DB_SIZE
                                            chunk_count, chunk_mismatch, compress_chunk, compress_manifest,
                                            contents_fprint_of, decode_and_validate, decode_base_chunk,
                                            decode_chunk, encode_manifest, format_size, header_fprint_of,
-                                           manifest_blob_limit, raw_manifest, snapshot_of, words_of)
+                                           manifest_blob_limit, raw_manifest, same_manifest, snapshot_of,
+                                           stored_fields, words_of, zstd_frame_bound)
 from verneuil_fuse.format.packs import (MAX_PACK_BYTES, MAX_RUN_BYTES, PACK_KEY_PREFIX, ChunkSource,
                                         PackedLayout, Run, chunk_runs, chunk_source, pack_key, parse_pack_key,
                                         space_prefix, stored_objects, strip_layout, with_layout)

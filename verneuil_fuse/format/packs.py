@@ -15,7 +15,8 @@ This module owns:
   and the layout's bounds (`MAX_PACK_BYTES`, `check_layout`);
 - `ChunkSource` and `chunk_source(m, index)`: the one answer, for either
   layout, to "which object, and which bytes of it, hold chunk `index`";
-  every reader asks it, and `store.chunkread.read_chunk` reads what it says;
+  every reader asks it (through `store.Reads.where`), and `store.Reads.chunk`
+  reads what it says;
 - `chunk_runs`: the sources of several chunks coalesced into runs of
   adjacent blobs of one pack (one range read each), up to `MAX_RUN_BYTES`;
 - `stored_objects`: the objects a manifest needs, each with the chunks it

@@ -45,29 +45,20 @@ are for the engine path to do).
 """
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import trio
 
-from verneuil_fuse.format import (
-    DEFAULT_MAX_DB_SIZE,
-    ChunkError,
-    ChunkSource,
-    Fprint,
-    base_chunk_blob_limit,
-    decode_and_validate,
-    decode_base_chunk,
-    manifest_blob_limit,
-)
+from verneuil_fuse.format import DEFAULT_MAX_DB_SIZE, ChunkError, ChunkSource, Fprint
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache, MemoryLRU
 from verneuil_fuse.reader.flights import DONE, TASK, EnginePath, Flight, store_chunk
 from verneuil_fuse.reader.throttle import AdaptiveLimit, is_congestion
-from verneuil_fuse.store import NotFound, StoreError, TooLarge, read_chunk
+from verneuil_fuse.store import NotFound, Reads, StoreError, TooLarge
 from verneuil_fuse.store.retry import Backoff, retry, retry_async
 
 log = logging.getLogger(__name__)
@@ -178,12 +169,6 @@ def _worth_retrying(error: BaseException) -> bool:
     return isinstance(error, _GET_FAILURES) and not isinstance(error, TooLarge)
 
 
-def _get_and_decode(backend: Any, source: ChunkSource, fp: Fprint) -> tuple[int, bytes]:
-    """GET (a whole chunk object, or a range of a pack) and verify one chunk
-    in a worker thread: (blob size, bytes)."""
-    return read_chunk(backend, source, fp)
-
-
 def _source_of(sources: Any, k: int) -> ChunkSource | None:
     """The k-th of ``sources`` (a list parallel to the fingerprints a
     replica passes), or None (Verneuil's layout: a chunk object)."""
@@ -234,7 +219,6 @@ class Fetcher:
         max_prefetch_flights: int = DEFAULT_MAX_PREFETCH_FLIGHTS,
         max_db_size: int = DEFAULT_MAX_DB_SIZE,
     ):
-        self.store = store
         self.cache = cache
         self.mem = MemoryLRU(mem_cache_bytes)
         self.retries = retries
@@ -243,7 +227,7 @@ class Fetcher:
         self.backoff = backoff
         self.max_prefetch_flights = max_prefetch_flights
         self.max_db_size = max_db_size
-        self.manifest_limit = manifest_blob_limit(max_db_size)
+        self.reads = Reads(store, max_db_size=max_db_size)
         self.capabilities = store.chunks.capabilities()
         self._init_limiters(concurrency, prefetch_concurrency)
         self._init_flights()
@@ -314,49 +298,49 @@ class Fetcher:
 
     async def list_manifests(self) -> list:
         self.stats["lists"] += 1
-        return await self.run_blocking(lambda: list(self.store.manifests.list("")))
+        return await self.run_blocking(self.reads.names)
 
     async def get_manifest_blob(self, key: str) -> bytes:
-        """A manifest blob, at most `manifest_limit` bytes (else TooLarge,
+        """A manifest blob, bounded by ``max_db_size`` (else TooLarge,
         without reading it)."""
         self.stats["manifest_gets"] += 1
-        try:
-            return await self.run_blocking(
-                functools.partial(self.store.manifests.get, key, max_bytes=self.manifest_limit))
-        except TooLarge:
-            self.stats["too_large"] += 1
-            raise
+        with self._counting_too_large():
+            return await self.run_blocking(self.reads.manifest_blob, key)
 
     async def get_manifest_if_changed(self, key: str, tag: str | None):
         """`Backend.get_if_changed` of a manifest (a `Tagged` blob, or None
         while the key holds the version `tag` names), bounded as
         `get_manifest_blob`, in a thread behind `CHECK_THREADS`."""
-        call = functools.partial(self.store.manifests.get_if_changed, key, tag, max_bytes=self.manifest_limit)
+        with self._counting_too_large():
+            return await trio.to_thread.run_sync(self.reads.manifest_if_changed, key, tag,
+                                                 limiter=self.check_limiter, abandon_on_cancel=True)
+
+    async def manifest_versions(self, key: str) -> list:
+        """The versions of manifest ``key`` (`VersionInfo`), oldest first."""
+        return await self.run_blocking(self.reads.versions, key)
+
+    async def get_manifest_version(self, key: str, version_id: str) -> bytes:
+        """One version of a manifest blob, bounded as `get_manifest_blob`."""
+        self.stats["manifest_gets"] += 1
+        with self._counting_too_large():
+            return await self.run_blocking(self.reads.manifest_blob, key, version_id)
+
+    @contextlib.contextmanager
+    def _counting_too_large(self) -> Iterator[None]:
         try:
-            return await trio.to_thread.run_sync(call, limiter=self.check_limiter, abandon_on_cancel=True)
+            yield
         except TooLarge:
             self.stats["too_large"] += 1
             raise
 
     async def decode_manifest(self, blob: bytes):
         """``decode_and_validate`` in a thread, bounded by ``max_db_size``; a
-        base chunk comes through ``get`` (verified, cached, single-flight)."""
+        base chunk is read once per decode, not cached, a few attempts."""
 
-        def fetch_chunk(fp: Fprint) -> bytes:
-            # Only a base chunk comes here: as long as the chunk list it
-            # encodes (docs/FORMAT.md), so larger than a chunk object may be.
-            # Read once per decode, not cached, a few attempts.
-            blob = self._store_retrying(lambda: self.store.chunks.get(
-                fp.name, max_bytes=base_chunk_blob_limit(self.max_db_size)))
-            return decode_base_chunk(blob, fp, self.max_db_size)
+        def base(fp: Fprint) -> bytes:
+            return retry(lambda: self.reads.base_chunk(fp), backoff=self._retry_schedule(), what="store request")
 
-        return await self.run_blocking(
-            functools.partial(decode_and_validate, blob, fetch_chunk, max_db_size=self.max_db_size))
-
-    def _store_retrying(self, call: Callable[[], T]) -> T:
-        """`call()` (a store request, in a worker thread) with the fetcher's
-        retries and backoff for transient failures."""
-        return retry(call, backoff=self._retry_schedule(), what="store request")
+        return await self.run_blocking(self.reads.decode, blob, base)
 
     # ------------------------------------------------------------------ reads
     def _memory(self, fp: Fprint) -> bytes | None:
@@ -858,7 +842,6 @@ class Fetcher:
         has ``timeout`` as its own bound), else in a worker thread abandoned
         after ``timeout``. Raises one of `_GET_FAILURES` (a timeout as
         TimeoutError)."""
-        backend = self.store.chunks
         start = time.monotonic()
         try:
             try:  # a free one costs no trip through the scheduler
@@ -870,7 +853,7 @@ class Fetcher:
                 answer = None if source.ranged else await self._engine.get_one(fp)
                 if answer is None:
                     with trio.fail_after(self.timeout):
-                        answer = await trio.to_thread.run_sync(_get_and_decode, backend, source, fp,
+                        answer = await trio.to_thread.run_sync(self.reads.chunk, source, fp,
                                                                abandon_on_cancel=True, limiter=self.thread_limiter)
             finally:
                 self.io_limiter.release()

@@ -9,9 +9,10 @@ This package owns every access to blob storage; boto3 is imported only here
   ``VERNEUIL_CONFIG`` environment variable.  Syntax: `config` module docstring.
 - `parse_config(spec) -> dict`: the same spec as a Verneuil-shaped config dict,
   for modules that need other keys (``replication_spooling_dir``, ...).
-- `read_chunk(backend, source, fp)` / `read_run`: one verified read of a
-  chunk (or of a run of adjacent chunks of a pack) where
-  `format.chunk_source` says it is, in either layout (`chunkread`).
+- `Reads(store, max_db_size=...)`: the one verified, bounded read of a
+  store's manifests and chunks, in either layout, every reader's; its
+  failures for people as `ReadError`; `ChunkReads`, the part of it the
+  reader's flights use (`reads`).
 - `Store` (``chunks``, ``manifests``, ``url``, ``layout``), the `Backend` protocol
   and the `Capabilities` a backend may have (`DirectReads` with its
   `DirectGets`, `AsyncPuts`, `CredentialsView`), `ObjectInfo`, `VersionInfo`,
@@ -50,9 +51,9 @@ from verneuil_fuse.store.base import (
     VersionInfo,
     check_key,
 )
-from verneuil_fuse.store.chunkread import read_chunk, read_run
 from verneuil_fuse.store.config import ENV_VAR, LAYOUT_CHUNKS, LAYOUT_PACKED, LAYOUTS, open_store, parse_config, store_target, target_url
 from verneuil_fuse.store.local import LocalBackend
+from verneuil_fuse.store.reads import ChunkReads, ReadError, Reads
 
 __all__ = [
     "ENV_VAR",
@@ -66,6 +67,7 @@ __all__ = [
     "Backend",
     "BucketNotFound",
     "Capabilities",
+    "ChunkReads",
     "ConfigError",
     "CredentialsView",
     "DirectGets",
@@ -74,6 +76,8 @@ __all__ = [
     "LocalBackend",
     "NotFound",
     "ObjectInfo",
+    "ReadError",
+    "Reads",
     "S3Backend",
     "Store",
     "StoreError",
@@ -85,8 +89,6 @@ __all__ = [
     "VersionInfo",
     "check_key",
     "open_store",
-    "read_chunk",
-    "read_run",
     "parse_config",
     "store_target",
     "target_url",
