@@ -13,8 +13,8 @@ import pytest
 
 from verneuil_fuse import format as fmt
 from support.pyspoolwriter import SpoolWriter
-from verneuil_fuse.copier import (Backoff, Copier, NotASpool, Stopped,
-                                  TokenBucket, restore_bytes, fetch_manifest)
+from verneuil_fuse.copier import Backoff, Copier, NotASpool, Stopped, TokenBucket
+from verneuil_fuse.readback import fetch_manifest, restore_bytes
 from verneuil_fuse.copier import spool as sp
 from verneuil_fuse.copier.pacing import RecentSet, retry
 from verneuil_fuse.store import TransientError, open_store

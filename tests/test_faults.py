@@ -68,7 +68,7 @@ class FaultEnv:
 
     def direct_manifest(self, path: str, hostname: str = HOST) -> fmt.Manifest:
         """The current manifest of `hostname:path`, read straight from moto."""
-        from verneuil_fuse.copier import fetch_manifest
+        from verneuil_fuse.readback import fetch_manifest
         return fetch_manifest(self.direct, fmt.manifest_name(path, hostname))
 
     def close(self):
@@ -242,7 +242,7 @@ def _store_counter(fenv):
 
 
 def _latest(fenv):
-    from verneuil_fuse.copier import fetch_manifest, restore_bytes
+    from verneuil_fuse.readback import fetch_manifest, restore_bytes
     names = [o.key for o in fenv.direct.manifests.list()]
     if not names:
         return None, None

@@ -456,7 +456,7 @@ opt_items = st.lists(st.builds(lambda n, eq, v: n + (("=" + v) if eq else ""),
 
 
 def _mount_gate(argv):
-    from verneuil_fuse.mount import LIBFUSE_FLAGS, UserError, parse_args
+    from verneuil_fuse.cli.mount import LIBFUSE_FLAGS, UserError, parse_args
 
     try:
         opts = parse_args(argv)
@@ -596,7 +596,8 @@ def _non_dirs(path):
 def test_spool_junk(tmp_path_factory, junk, with_ready):
     """(with_ready: a second snapshot is staged while `ready` holds the first.)"""
     from support.pyspoolwriter import SpoolWriter
-    from verneuil_fuse.copier import Copier, fetch_manifest, restore_bytes
+    from verneuil_fuse.copier import Copier
+    from verneuil_fuse.readback import fetch_manifest, restore_bytes
     from verneuil_fuse.copier import spool as sp
 
     base = str(tmp_path_factory.mktemp("junk"))

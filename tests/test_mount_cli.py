@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from verneuil_fuse import mount
+from verneuil_fuse.cli import mount
 from verneuil_fuse.errors import UserError
 
 
 def run(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "verneuil_fuse.mount", *args],
+    return subprocess.run([sys.executable, "-m", "verneuil_fuse.cli.mount", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -88,7 +88,7 @@ def test_interrupt_before_the_mount_is_made(tmp_path):
     env = dict(os.environ, AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y")
     try:
         for extra in ([], ["-f"]):
-            p = subprocess.Popen([sys.executable, "-m", "verneuil_fuse.mount", url, str(tmp_path),
+            p = subprocess.Popen([sys.executable, "-m", "verneuil_fuse.cli.mount", url, str(tmp_path),
                                   "-o", "cache_size=0,timeout=30", *extra],
                                  stderr=subprocess.PIPE, text=True, env=env)
             try:
@@ -212,7 +212,7 @@ def test_profile_from_a_credentials_file_mounts(s3_server, tmp_path):
     # Without the file, the profile is nowhere (the environment's files are
     # /dev/null): the credentials above came from credentials_file.
     env = NoEnvCredentials(url, str(tmp_path / "mnt")).env()
-    out = subprocess.run([sys.executable, "-m", "verneuil_fuse.mount", url, str(tmp_path / "mnt"),
+    out = subprocess.run([sys.executable, "-m", "verneuil_fuse.cli.mount", url, str(tmp_path / "mnt"),
                           "-o", "profile=replicas,log_file=%s" % (tmp_path / "log")],
                          capture_output=True, text=True, timeout=60, env=env)
     _last_line_error(out, 3, "AWS profile 'replicas' not found")

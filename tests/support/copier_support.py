@@ -20,7 +20,7 @@ import time
 import pytest
 
 from support.pyspoolwriter import SpoolWriter
-from verneuil_fuse.copier import restore_bytes, fetch_manifest
+from verneuil_fuse.readback import fetch_manifest, restore_bytes
 
 
 def vfs_available() -> bool:

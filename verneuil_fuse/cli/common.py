@@ -76,7 +76,7 @@ def store_reads(args, store):
     """The reads of `store` bounded by --max-db-size (default
     `format.DEFAULT_MAX_DB_SIZE`), their refusals saying how to raise it."""
     from verneuil_fuse import format as fmt
-    from verneuil_fuse.copier.restore import RAISE_LIMIT_HINT
+    from verneuil_fuse.readback.restore import RAISE_LIMIT_HINT
     from verneuil_fuse.store import Reads
     return Reads(store, max_db_size=getattr(args, "max_db_size", None) or fmt.DEFAULT_MAX_DB_SIZE,
                  hint=RAISE_LIMIT_HINT)

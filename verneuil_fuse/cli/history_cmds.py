@@ -27,7 +27,7 @@ def parse_at(text: str) -> int:
 def pick_version_at(args, store) -> None:
     """Set args.version_id to the version of the database current at
     --at (the newest whose time is at or before it)."""
-    from verneuil_fuse.copier.versions import version_at
+    from verneuil_fuse.readback.versions import version_at
     from verneuil_fuse.history import format_time
     at_ns = parse_at(args.at)
     name = manifest_key(args)
@@ -45,7 +45,7 @@ def pick_version_at(args, store) -> None:
 
 def cmd_versions(args) -> int:
     """Every stored version of one database, oldest first."""
-    from verneuil_fuse.copier.versions import check_chunks, load_all
+    from verneuil_fuse.readback.versions import check_chunks, load_all
     store = store_from_args(args, read_only=True)
     try:
         name = manifest_key(args)

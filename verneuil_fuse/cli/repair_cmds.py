@@ -20,7 +20,7 @@ REPAIR_LISTED = 10
 def _repair_targets(args) -> list[tuple[str, str]]:
     """(source path, manifest name) of each database to repair."""
     from verneuil_fuse import format as fmt
-    from verneuil_fuse.copier.repair import spool_databases
+    from verneuil_fuse.copier.spool import spool_databases
     paths = list(args.db) + list(args.source_path or [])
     if args.all:
         if paths:
@@ -59,7 +59,7 @@ def _repair_advice(report) -> str:
 
 
 def cmd_repair(args) -> int:
-    from verneuil_fuse.copier.repair import DEFAULT_WORKERS, NoManifest, repair_database
+    from verneuil_fuse.readback.repair import DEFAULT_WORKERS, NoManifest, repair_database
     from verneuil_fuse.store import ReadError
     workers = DEFAULT_WORKERS if args.workers is None else args.workers
     if workers < 1:

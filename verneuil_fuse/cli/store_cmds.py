@@ -31,7 +31,7 @@ def _check_restore_target(path: str, force: bool) -> None:
 
 def cmd_restore(args) -> int:
     import tempfile
-    from verneuil_fuse.copier.restore import restore_to_path, write_snapshot
+    from verneuil_fuse.readback.restore import restore_to_path, write_snapshot
     if args.at is not None:  # refused before anything else: a bad time, two ways to pick
         parse_at(args.at)
         if args.version_id:

@@ -9,7 +9,8 @@ Public API:
   blocks commits.  `.stop(timeout)`, `.wake()`, `.flush(timeout)`, `.stats`;
   also a context manager.  `spool`/`store` default to VERNEUIL_CONFIG.
 - `spool_status(spool_dir, store=None)`: per-database lag report.
-- restore helpers: `fetch_manifest`, `restore_to_path`, `restore_bytes`.
+
+What reads a store back (restore, versions, repair) is `verneuil_fuse.readback`.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from typing import Optional
 
 from verneuil_fuse.copier.copier import BadSnapshot, Copier, CopierStats, OtherStore
 from verneuil_fuse.copier.pacing import DEFAULT_BURST, DEFAULT_RATE, Backoff, Stopped, TokenBucket
-from verneuil_fuse.copier.restore import fetch_manifest, restore_bytes, restore_to_path, write_snapshot
 from verneuil_fuse.copier.spool import NotASpool
 from verneuil_fuse.copier.status import spool_status
 
@@ -28,8 +28,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "BackgroundCopier", "BadSnapshot", "Backoff", "Copier", "CopierStats", "OtherStore",
     "DEFAULT_BURST", "DEFAULT_RATE", "NotASpool",
-    "Stopped", "TokenBucket", "fetch_manifest", "restore_bytes",
-    "restore_to_path", "spool_status", "start_background", "write_snapshot",
+    "Stopped", "TokenBucket", "spool_status", "start_background",
 ]
 
 

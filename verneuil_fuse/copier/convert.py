@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 from verneuil_fuse import format as fmt
 from verneuil_fuse.copier.packing import PACK_TARGET_BYTES, PackBuilder, Place, space_of, stored_chunks
-from verneuil_fuse.copier.pool import DaemonPool
+from verneuil_fuse.pool import DaemonPool
 from verneuil_fuse.store import LAYOUT_CHUNKS, LAYOUT_PACKED, NotFound, ReadError, Reads, Store
 from verneuil_fuse.store.retry import retried
 

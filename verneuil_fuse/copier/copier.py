@@ -55,7 +55,7 @@ from verneuil_fuse.copier import spool as sp
 from verneuil_fuse.copier.packer import Packer, Unplaced
 from verneuil_fuse.copier.pacing import (DEFAULT_BURST, DEFAULT_RATE, Backoff, RecentSet, Stopped,
                                          TokenBucket, retry)
-from verneuil_fuse.copier.pool import DaemonPool, InFlight
+from verneuil_fuse.pool import DaemonPool, InFlight
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ import logging
 from typing import Any, Optional
 
 from verneuil_fuse import format as fmt
-from verneuil_fuse.copier.pool import DaemonPool
-from verneuil_fuse.copier.repair import find_missing
 from verneuil_fuse.history import NS, format_time, newest_at, version_time_ns
+from verneuil_fuse.pool import DaemonPool
+from verneuil_fuse.readback.repair import find_missing
 from verneuil_fuse.store import ReadError, Reads, Store
 
 log = logging.getLogger(__name__)

@@ -41,8 +41,7 @@ import struct
 from typing import Callable, Optional
 
 from verneuil_fuse import format as fmt
-from verneuil_fuse.copier import spool as sp
-from verneuil_fuse.copier.pool import DaemonPool
+from verneuil_fuse.pool import DaemonPool
 from verneuil_fuse.store import NotFound, ReadError, Reads, Store
 from verneuil_fuse.store.retry import retried
 
@@ -395,29 +394,3 @@ def repair_database(store: Store, source: str, name: str, *, dry_run: bool = Fal
     if report.repaired:
         log.info("%s: uploaded %d missing objects again", source, len(report.repaired))
     return report
-
-
-# -- which databases ----------------------------------------------------------------
-
-def spool_databases(spool_dir: str, hostname: Optional[str] = None) -> list[tuple[str, str]]:
-    """(source path, manifest name) of every database of this boot in the
-    spool, sorted.  The manifest name is the one the writer staged (so the
-    host name it used), or made from the source path and `hostname` (default
-    this host) when given or when nothing is staged."""
-    sp.check_spool(spool_dir)
-    found: dict[str, str] = {}
-    for root in sp.boot_roots(spool_dir)[0]:
-        for db in sp.list_dbdirs(root):
-            source = db.source()
-            if source is None:
-                log.warning("%s: no source file recorded, skipped", db.path)
-                continue
-            names = []
-            if hostname is None:
-                names = [n for n in sp.listdir_or_empty(db.sub(sp.STAGING, sp.META))
-                         if fmt.parse_manifest_name(n) is not None]
-            if not names:
-                names = [fmt.manifest_name(source, hostname)]
-            for name in names:
-                found.setdefault(name, source)
-    return sorted((source, name) for name, source in found.items())

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # annotations only: `serve` imports these itself, so pyfuse3 
     from verneuil_fuse.reader.watch import Watch
     from verneuil_fuse.store import Store
 
-log = logging.getLogger("verneuil_fuse.mount")
+log = logging.getLogger(__name__)
 
 # Options libfuse accepts (docs/DESIGN.md); anything else makes fuse_session_new fail.
 LIBFUSE_FLAGS = frozenset(

@@ -15,7 +15,7 @@ import threading
 from typing import BinaryIO, Callable, Optional
 
 from verneuil_fuse import format as fmt
-from verneuil_fuse.copier.pool import DaemonPool
+from verneuil_fuse.pool import DaemonPool
 from verneuil_fuse.store import ReadError, Reads, Store
 
 # What to tell a user whose database is past the size bound it is read with.
