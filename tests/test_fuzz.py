@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 from support.s3server import patched_environ
 from verneuil_fuse import config as vconfig
 from verneuil_fuse import format as fmt
+from verneuil_fuse.cli.mount_options import MOUNT_OPTIONS
 from verneuil_fuse.format import manifest_pb2
 from verneuil_fuse.store import ConfigError, open_store, parse_config, store_target, target_url
 
@@ -438,10 +439,7 @@ def test_verneuil_config_env(value, how):
 
 # --------------------------------------------------------------- mount options
 
-OWN_OPTIONS = ["cache_dir", "cache_size", "mem_cache", "refresh", "readahead", "readahead_max",
-               "btree_prefetch", "btree_max", "concurrency", "prefetch_concurrency", "retries",
-               "timeout", "hydrate", "entry_timeout", "read_ahead_kb", "log_file", "log_level",
-               "uid", "gid", "umask", "subdir", "metrics_port", "metrics_address"]
+OWN_OPTIONS = [o.name for o in MOUNT_OPTIONS]
 FUSE_OPTIONS = ["ro", "rw", "allow_other", "allow_root", "default_permissions", "auto_unmount",
                 "debug", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "fsname", "subtype",
                 "_netdev", "nofail", "x-systemd.foo", "comment", "user", "bogus", "max_read"]
@@ -456,7 +454,8 @@ opt_items = st.lists(st.builds(lambda n, eq, v: n + (("=" + v) if eq else ""),
 
 
 def _mount_gate(argv):
-    from verneuil_fuse.cli.mount import LIBFUSE_FLAGS, UserError, parse_args
+    from verneuil_fuse.cli.mount_options import LIBFUSE_FLAGS, parse_args
+    from verneuil_fuse.errors import UserError
 
     try:
         opts = parse_args(argv)

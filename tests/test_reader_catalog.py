@@ -329,7 +329,7 @@ def test_first_open_stores_bundled_chunks_in_the_page_cache(local_store, monkeyp
     async def go(cat: Catalog):
         nonlocal refuse
         await cat.refresh(raise_errors=True)
-        fs = VerneuilFS(cat)
+        fs = VerneuilFS(cat, entry_timeout=1.0)
         h = (await cat.lookup(1, "h")).inode
         ra, rb = await cat.lookup(h, "a.db"), await cat.lookup(h, "b.db")
         fh1 = (await fs.open(ra.inode, os.O_RDONLY, None)).fh

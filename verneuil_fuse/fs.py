@@ -111,7 +111,7 @@ class VerneuilFS(pyfuse3.Operations):
         self,
         catalog: Catalog,
         *,
-        entry_timeout: float = 1.0,
+        entry_timeout: float,
         attr_timeout: float = 3600.0,
         dir_timeout: float = 1.0,
         uid: int | None = None,

@@ -1,4 +1,6 @@
-"""`verneuilctl`: replicate, inspect and restore SQLite databases.
+"""The two programs: `verneuilctl` (this package's `main`: replicate,
+inspect and restore SQLite databases) and `verneuil` (`cli.mount`: mount a
+store's replicas, with its options in `cli.mount_options`).
 
 Subcommands (each has --help):
 
@@ -28,7 +30,10 @@ manifest-name, sqlite-extension), copier_cmds (copier, flush, sync, lag),
 store_cmds (ls, manifest, restore), history_cmds (versions, restore --at),
 repair_cmds (repair), convert_cmds (convert), query (query, with Spark); this module runs one
 command: main() parses, sets up logging and turns every error into one line
-on stderr and an exit code (verneuil_fuse/errors.py).
+on stderr and an exit code (verneuil_fuse/errors.py). The mount: mount (the
+program: checks, logging, the layers it serves from, daemonising, signals)
+and mount_options (the table of its options, the parser, --help and the
+docs' table).
 """
 from __future__ import annotations
 

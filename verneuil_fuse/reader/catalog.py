@@ -82,6 +82,11 @@ from verneuil_fuse.store import NotFound, StoreError, TooLarge
 log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
+# How often the store is listed (`refresh=`): a new database, a removed one
+# and a new version of a database not in use (the follow loop checks those in
+# use every half second) show within 10 s, and an unchanged store costs one
+# listing per poll and no GET.
+DEFAULT_REFRESH_INTERVAL = 10.0
 # Latest ctime taken from a manifest, in seconds: 2**63 - 1 nanoseconds
 # (year 2262), the most a file time can hold in the kernel's attributes.
 MAX_CTIME_S = ((1 << 63) - 1) // 1_000_000_000 - 1
@@ -236,7 +241,7 @@ class Catalog:
         self,
         fetcher: Fetcher,
         *,
-        refresh_interval: float = 10.0,
+        refresh_interval: float = DEFAULT_REFRESH_INTERVAL,
         prefetch: PrefetchConfig | None = None,
         hydrate: bool = False,
         on_invalidate: Callable[[int, str], None] | None = None,
