@@ -32,7 +32,8 @@ from support.faultproxy import KINDS, FaultProxy
 from support.replicas import HOST, Mount, fuse_unavailable, make_db, publish, wait_for
 from support.copier_support import Writer, counter_of, vfs_available
 from verneuil_fuse import format as fmt
-from verneuil_fuse.reader.fetcher import FAILED_CHUNK_TTL, HOLD_SECONDS
+from verneuil_fuse.reader.fetcher import FAILED_CHUNK_TTL
+from verneuil_fuse.reader.landing import HOLD_SECONDS
 from verneuil_fuse.copier import Backoff, Copier, start_background
 from verneuil_fuse.store import StoreError, TransientError, open_store
 

@@ -72,7 +72,8 @@ import trio
 from verneuil_fuse import __version__, metrics
 from verneuil_fuse.format import ManifestError
 from verneuil_fuse.history import BadTime, parse_time
-from verneuil_fuse.reader.fetcher import FetchError, Fetcher, HydrateProgress
+from verneuil_fuse.reader.fetcher import FetchError, Fetcher
+from verneuil_fuse.reader.hydration import HydrateProgress
 from verneuil_fuse.reader.manifests import Cached, ManifestCache
 from verneuil_fuse.reader.past import PastStates, split_name
 from verneuil_fuse.reader.paths import display_path, key_of

@@ -58,7 +58,7 @@ SPARE_REQUESTS = 16
 # Where a flight is (`Flight.state`).
 QUEUED = "queued"  # waiting for a GET slot, to go to the chunk engine (`EnginePath.pump`)
 ENGINE = "engine"  # its GET is on the chunk engine; its answer comes back through `EnginePath`
-TASK = "task"  # a trio task runs it (`Fetcher._fly`): disk cache, threads, retries, hydration
+TASK = "task"  # a trio task runs it (`FlightRuns._fly`): disk cache, threads, retries, hydration
 DONE = "done"
 
 
@@ -66,7 +66,7 @@ class Flight:
     """One chunk's fetch, shared by every read of it (single-flight). Its
     waiters are the fetcher's `_Waiter` objects, one per read request however
     many of its chunks it waits for, told when the flight is done
-    (`Fetcher._finish`)."""
+    (`FlightRuns._finish`). Its ``state`` is written in this module only."""
 
     __slots__ = ("fp", "state", "data", "error", "prefetch", "promoted", "slot", "waiters", "wait_scope",
                  "deadline", "holds_prefetch_slot", "source")
@@ -85,6 +85,14 @@ class Flight:
         self.wait_scope: trio.CancelScope | None = None  # a task's wait for a prefetch slot
         self.deadline = 0.0  # trio time; set when the deadline starts
         self.holds_prefetch_slot = False  # on the engine path
+
+    def to_task(self) -> None:
+        """A trio task runs it from now on (`FlightRuns._fly`)."""
+        self.state = TASK
+
+    def finish(self) -> None:
+        """Its bytes or its error are in (`FlightRuns._finish`)."""
+        self.state = DONE
 
 
 def store_chunk(cache: ChunkCache, fp: Fprint, data: bytes, slot: CacheSlot | None) -> None:
