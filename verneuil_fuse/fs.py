@@ -48,11 +48,12 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import pyfuse3
 
-from verneuil_fuse.reader.catalog import Catalog, DbEntry, Directory, Parked, Stale, StatsFile
+from verneuil_fuse.reader.catalog import Catalog
 from verneuil_fuse.reader.fetcher import FetchError
 from verneuil_fuse.reader.follow import Follower, Followers
 from verneuil_fuse.format import CHUNK_SIZE
 from verneuil_fuse.reader.replica import Cursor, Replica
+from verneuil_fuse.reader.tree import DbEntry, Directory, Parked, Stale, StatsFile
 
 log = logging.getLogger(__name__)
 

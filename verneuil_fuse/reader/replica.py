@@ -15,9 +15,14 @@ chunks they name to the fetcher, which skips those cached or under way.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from verneuil_fuse.format import CHUNK_SIZE, ZERO_CHUNK_FPRINT, ChunkSource, Fprint, Manifest, chunk_source
-from verneuil_fuse.reader.fetcher import FetchError, Fetcher
 from verneuil_fuse.reader.prefetch import BtreeReadahead, Cursor, PrefetchConfig, SequentialReadahead
+from verneuil_fuse.reader.store_gets import FetchError
+
+if TYPE_CHECKING:  # the fetcher's hydration (a part of it) knows replicas
+    from verneuil_fuse.reader.fetcher import Fetcher
 
 __all__ = ["Cursor", "PrefetchConfig", "Replica"]
 
