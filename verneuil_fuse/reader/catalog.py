@@ -356,9 +356,7 @@ class Catalog(ManifestLoads, Polling, Handles, CatalogHydration, CatalogStats):
         total[2] += node.preloaded
         node.reads = node.read_bytes = node.preloaded = 0
 
-    # ------------------------------------------------------- decoded versions
-    # ---------------------------------------------------------- reading names
-    # ----------------------------------------------------------------- refresh
+    # ------------------------------------------------------ names and versions
     def _place(self, key: str) -> tuple[Directory, str] | None:
         """The directory and name where `key` is shown, or None: outside
         ``subdir`` (silently), or a key that cannot be shown (warned)."""
@@ -478,4 +476,3 @@ class Catalog(ManifestLoads, Polling, Handles, CatalogHydration, CatalogStats):
                     self.on_invalidate(up.inode, d.name)
             d = up
 
-    # ------------------------------------------------------------------- stats

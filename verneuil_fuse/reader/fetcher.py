@@ -451,8 +451,6 @@ class Fetcher(ManifestSource, StoreGets, FlightRuns, Landing, FetcherHydration):
             self._engine.pump()
         return started
 
-    # ---------------------------------------------------------------- flights
-    # --------------------------------------- the engine path's owner (`flights`)
     # ------------------------------------------------------------------ stats
     def cache_capacity(self) -> int | None:
         """Bytes the disk cache can hold (its ``cache_size``, or less when its
