@@ -170,3 +170,20 @@ def test_every_cited_document_is_in_the_repository():
         if not os.path.exists(os.path.join(ROOT, name)) and not os.path.exists(os.path.join(ROOT, "docs", name)):
             missing.append("README.md cites " + name)
     assert missing == [], "\n".join(sorted(missing))
+
+
+def test_the_chunk_engine_writes_the_disk_caches_records_as_the_cache_reads_them():
+    """The chunk engine writes a chunk's index record itself, after the
+    bytes, on its thread (see `reader.segments.RECORD`): its size and salt
+    are the cache's."""
+    import struct
+    python = open(os.path.join(ROOT, "verneuil_fuse", "reader", "segments.py"), encoding="utf-8").read()
+    text = open(os.path.join(ROOT, "csrc", "reader", "chunk_engine.c"), encoding="utf-8").read()
+    size = re.search(r"#define RECORD_BYTES (\d+)", text)
+    salt = re.search(r"#define RECORD_SALT (0x[0-9a-fA-F]+)u", text)
+    record = re.search(r'^RECORD = struct.Struct\("([^"]+)"\)', python, re.M)
+    check_salt = re.search(r"^_CHECK_SALT = (0x[0-9a-fA-F]+)", python, re.M)
+    assert size and salt, "chunk_engine.c no longer defines RECORD_BYTES and RECORD_SALT"
+    assert record and check_salt, "reader/segments.py no longer defines RECORD and _CHECK_SALT"
+    assert int(size.group(1)) == struct.calcsize(record.group(1))
+    assert int(salt.group(1), 16) == int(check_salt.group(1), 16)

@@ -27,8 +27,6 @@ from verneuil_fuse.store import StoreError
 # 64 KiB chunks, past what a plain multipart upload reaches on this machine,
 # and the engine's own bound is 128.
 ASYNC_PUTS_IN_FLIGHT = 64
-
-
 # Threads that read, check and compress the chunk files for those PUTs:
 # zstd and the fingerprint release the GIL, so about one per core, plus one
 # for the file system calls; more only contend for the GIL.

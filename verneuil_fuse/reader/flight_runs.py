@@ -20,7 +20,7 @@ from verneuil_fuse.reader.flights import Flight
 from verneuil_fuse.reader.store_gets import _GET_FAILURES, FetchError, _worth_retrying
 
 
-_RESERVE = object()  # `Fetcher._start`: take the chunk's place in the disk cache now
+_RESERVE = object()  # `FlightRuns._start`: take the chunk's place in the disk cache now
 
 
 class FlightRuns:

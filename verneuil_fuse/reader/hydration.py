@@ -30,7 +30,6 @@ from verneuil_fuse.reader.store_gets import FetchError
 
 log = logging.getLogger(__name__)
 
-
 # Hydration takes the disk cache's places for this many chunks at a time
 # (1 MiB), back to back, so that the kernel's largest read requests find
 # them in one run even while a second database hydrates alongside.
@@ -116,8 +115,6 @@ class FetcherHydration:
 # it ended: the database does not stay half-hydrated until its next version,
 # and a store that is down is not asked for every chunk at every poll.
 HYDRATE_RETRY_SECONDS = 60.0
-
-
 # Databases hydrated at the same time; the others wait their turn ("queued").
 # Each one keeps `prefetch_concurrency` GETs busy already: more at once would
 # only queue flights ahead of the readahead of the files being read (whose

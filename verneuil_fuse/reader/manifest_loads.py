@@ -26,19 +26,14 @@ from verneuil_fuse.store import NotFound, StoreError, TooLarge
 
 log = logging.getLogger(__name__)
 
-
 # Names SQLite looks for beside a database at every transaction (hot journal
 # and WAL checks): never looked up in the store by name, since a writer never
 # replicates them and each lookup would be a GET.
 SQLITE_SIDE_FILES = ("-journal", "-wal", "-shm")
-
-
 # Names remembered as absent from the store between two polls: beyond this
 # many (a scan of a directory for many random names), all are forgotten at
 # once, so the set stays small.
 ABSENT_NAMES_MAX = 10_000
-
-
 # The listed mtime of a database found by name before any listing showed it:
 # no real mtime, so the next listing counts as a change (one more GET).
 UNLISTED_MTIME = -1.0

@@ -23,7 +23,6 @@ from verneuil_fuse.store import StoreError, TooLarge
 
 log = logging.getLogger(__name__)
 
-
 # Manifests read at once when a poll reads every one of a small store
 # (`Catalog._read_all`): more than the fetcher's threads for manifests
 # (META_THREADS), so that they never wait on this bound, few enough that a
