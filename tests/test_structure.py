@@ -77,6 +77,35 @@ def test_no_product_function_does_several_jobs():
     assert long == [], "functions over %d lines:\n%s" % (MAX_FUNCTION_LINES, "\n".join(long))
 
 
+# Longest product class, in lines: a class longer than this does several
+# jobs, each of which can be a part of its own (a base class in a module of
+# its own, as `Fetcher`'s, `Catalog`'s and `Copier`'s are); one that must
+# stay one class says why in a comment that holds ONE_CLASS on one of the
+# lines just before it.
+MAX_CLASS_LINES = 400
+ONE_CLASS = "must be one class"
+
+
+def _long_python_classes():
+    for package in PYTHON_PACKAGES:
+        for path in _files(package, ".py"):
+            text = open(path, encoding="utf-8").read()
+            lines = text.split("\n")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.ClassDef):
+                    length = node.end_lineno - node.lineno + 1
+                    start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+                    around = "\n".join(lines[max(0, start - 10): start])
+                    if length > MAX_CLASS_LINES and ONE_CLASS not in around:
+                        yield "%s:%d %s (%d lines)" % (os.path.relpath(path, ROOT), node.lineno, node.name, length)
+
+
+def test_no_product_class_does_several_jobs():
+    long = list(_long_python_classes())
+    assert long == [], "classes over %d lines without a comment saying why they %s:\n%s" % (
+        MAX_CLASS_LINES, ONE_CLASS, "\n".join(long))
+
+
 # Packages of one layer that keep to themselves: the reader (serves a
 # mount), the copier (ships a spool) and readback (reads a store back into
 # files and reports) share only the layers below them.

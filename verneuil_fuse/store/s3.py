@@ -352,6 +352,12 @@ def _keep_credentials(client: Any, keeper: CredentialKeeper) -> None:
     _KEEPERS[client] = keeper
 
 
+# S3Backend must be one class: it is the `Backend` protocol on one bucket,
+# and each of its methods is one kind of request sent either through boto3
+# or on the HTTP engine (`curl.CurlEngine`), sharing the client, the engine,
+# the credentials' keeper, the bucket's region and prefix, and the mapping
+# of S3's answers to StoreErrors; what does not depend on those is apart
+# already (`curl`, `credentials`, `listing`, `retry`).
 class S3Backend:
     """One S3 bucket (under an optional key prefix) as a `Backend`.
 
