@@ -152,6 +152,43 @@ def test_imports_point_one_way():
     assert wrong == [], "\n".join(wrong)
 
 
+def test_the_manifest_protobuf_is_read_and_written_by_format_only():
+    """`manifest_pb2` (the generated protobuf) is imported inside `format/`
+    only: every other module goes through `format`'s encode and decode, so
+    their checks and bounds are never skipped."""
+    outside = []
+    for package in PYTHON_PACKAGES:
+        for path in _files(package, ".py"):
+            rel = os.path.relpath(path, ROOT)
+            if rel.startswith(os.path.join("verneuil_fuse", "format") + os.sep):
+                continue
+            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                names = []
+                if isinstance(node, ast.ImportFrom):
+                    names = [node.module or ""] + [a.name for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                if any(n.split(".")[-1] == "manifest_pb2" for n in names):
+                    outside.append("%s:%d" % (rel, node.lineno))
+    assert outside == [], "manifest_pb2 imported outside format/:\n" + "\n".join(outside)
+
+
+def test_store_capabilities_are_types_not_probed():
+    """What a backend can do beyond `Backend`'s calls is `Backend.capabilities`
+    (`store.Capabilities`): nothing asks a store or a backend with getattr or
+    hasattr whether it has an attribute."""
+    probes = []
+    store_like = re.compile(r"\b(?:store|backend|chunks|manifests|fetcher\.store)\b")
+    for package in PYTHON_PACKAGES:
+        for path in _files(package, ".py"):
+            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id in ("getattr", "hasattr") and node.args
+                        and store_like.search(ast.unparse(node.args[0]))):
+                    probes.append("%s:%d %s" % (os.path.relpath(path, ROOT), node.lineno, ast.unparse(node)))
+    assert probes == [], "store capabilities probed:\n" + "\n".join(probes)
+
+
 def test_imports_are_absolute():
     """One style of imports in the product: absolute (`from verneuil_fuse.store
     import ...`), never relative, so a module reads the same wherever it moves."""

@@ -131,11 +131,17 @@ def _say_why_empty(store, hostname: Optional[str]) -> None:
     with both prefixes, where Verneuil's layout has two buckets)."""
     where = store.manifests.describe()
     text = "no replicated databases%s in %s" % (" of host %s" % hostname if hostname else "", where)
-    bucket = getattr(store.chunks, "bucket", None)
-    if bucket is not None and bucket == getattr(store.manifests, "bucket", None):
+    if _s3_bucket(store.chunks) is not None and _s3_bucket(store.chunks) == _s3_bucket(store.manifests):
         text += ("; this URL names one bucket for chunks and manifests (no manifest_bucket=): "
                  "if the manifests are in a bucket of their own, add manifest_bucket=NAME")
     print("verneuilctl: %s" % text, file=sys.stderr)
+
+
+def _s3_bucket(backend) -> Optional[str]:
+    """The bucket of an S3 backend, from its `Backend.identity`
+    (``s3://bucket/prefix``); None for any other backend."""
+    where = backend.identity()
+    return where[len("s3://"):].split("/", 1)[0] if where.startswith("s3://") else None
 
 
 def _manifest_dict(name: str, m) -> dict:
