@@ -253,3 +253,22 @@ def test_the_chunk_engine_writes_the_disk_caches_records_as_the_cache_reads_them
     assert record and check_salt, "reader/segments.py no longer defines RECORD and _CHECK_SALT"
     assert int(size.group(1)) == struct.calcsize(record.group(1))
     assert int(salt.group(1), 16) == int(check_salt.group(1), 16)
+
+
+def test_tests_cited_by_the_product_exist():
+    """A module's docstring names the tests that check it
+    (``tests/test_x.py (test_a, test_b)``): each file and test exists."""
+    cited = re.compile(r"tests/(test_\w+\.py)(?:\s*(?:::(\w+)|\(([^)]*)\)))?")
+    missing = []
+    for package in PYTHON_PACKAGES:
+        for path in _files(package, ".py"):
+            for name, one, many in cited.findall(open(path, encoding="utf-8").read()):
+                test_path = os.path.join(ROOT, "tests", name)
+                if not os.path.exists(test_path):
+                    missing.append("%s cites tests/%s" % (os.path.relpath(path, ROOT), name))
+                    continue
+                defined = set(re.findall(r"^(?:async )?def (test_\w+)", open(test_path, encoding="utf-8").read(), re.M))
+                for test in ([one] if one else []) + re.findall(r"\btest_\w+", many):
+                    if test not in defined:
+                        missing.append("%s cites tests/%s::%s" % (os.path.relpath(path, ROOT), name, test))
+    assert missing == [], "\n".join(missing)

@@ -6,8 +6,11 @@ answers demand reads from that failure for `fetcher.FAILED_CHUNK_TTL`;
 a flight done gives back its unused place in the disk cache and wakes its
 waiters.
 
-Tested by tests/test_reader_fetcher.py (test_single_flight, the
-test_engine_path_* tests).
+Tested by tests/test_reader_fetcher.py (test_single_flight,
+test_engine_path_batches_gets_without_a_task_per_chunk,
+test_engine_path_demand_joins_a_queued_prefetch,
+test_engine_path_queued_demand_fails_at_its_deadline,
+test_engine_path_refused_runs_flights_in_tasks).
 """
 from __future__ import annotations
 
