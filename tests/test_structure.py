@@ -34,18 +34,25 @@ def _files(top: str, suffix: str):
                 yield os.path.join(dirpath, name)
 
 
-def _long_python_functions():
+def _long_python_nodes(kinds, limit: int, marker: str, before: int, after: int):
+    """Product functions or classes (``kinds``) over ``limit`` lines without
+    ``marker`` in the ``before`` lines above them, their first line and the
+    ``after`` lines below it."""
     for package in PYTHON_PACKAGES:
         for path in _files(package, ".py"):
             text = open(path, encoding="utf-8").read()
             lines = text.split("\n")
             for node in ast.walk(ast.parse(text)):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if isinstance(node, kinds):
                     length = node.end_lineno - node.lineno + 1
                     start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-                    around = "\n".join(lines[max(0, start - 3): node.lineno + 1])
-                    if length > MAX_FUNCTION_LINES and ONE_PIECE not in around:
+                    around = "\n".join(lines[max(0, start - before): node.lineno + after])
+                    if length > limit and marker not in around:
                         yield "%s:%d %s (%d lines)" % (os.path.relpath(path, ROOT), node.lineno, node.name, length)
+
+
+def _long_python_functions():
+    return _long_python_nodes((ast.FunctionDef, ast.AsyncFunctionDef), MAX_FUNCTION_LINES, ONE_PIECE, 3, 1)
 
 
 def _long_c_functions():
@@ -87,17 +94,7 @@ ONE_CLASS = "must be one class"
 
 
 def _long_python_classes():
-    for package in PYTHON_PACKAGES:
-        for path in _files(package, ".py"):
-            text = open(path, encoding="utf-8").read()
-            lines = text.split("\n")
-            for node in ast.walk(ast.parse(text)):
-                if isinstance(node, ast.ClassDef):
-                    length = node.end_lineno - node.lineno + 1
-                    start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-                    around = "\n".join(lines[max(0, start - 10): start])
-                    if length > MAX_CLASS_LINES and ONE_CLASS not in around:
-                        yield "%s:%d %s (%d lines)" % (os.path.relpath(path, ROOT), node.lineno, node.name, length)
+    return _long_python_nodes(ast.ClassDef, MAX_CLASS_LINES, ONE_CLASS, 10, 0)
 
 
 def test_no_product_class_does_several_jobs():

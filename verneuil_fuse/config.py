@@ -77,7 +77,7 @@ def copier_options(config: dict[str, Any]) -> dict[str, Any]:
                               % (COPIER_KEY, key, ", ".join(sorted(COPIER_OPTIONS))))
         try:
             out[key] = kind(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
             raise ConfigError("%s.%s must be a number" % (COPIER_KEY, key)) from None
     return out
 

@@ -115,59 +115,26 @@ def _bool(text: str) -> bool:
     raise ValueError("not on/off: %r" % text)
 
 
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise ValueError("must be at least 1")
-    return v
+def _checked(parse: Callable[[str], Any], ok: Callable[[Any], bool], why: str) -> Callable[[str], Any]:
+    """An option's parser: ``parse`` the text, then ValueError(``why``)
+    unless ``ok`` accepts the value."""
+    def check(text: str) -> Any:
+        value = parse(text)
+        if not ok(value):
+            raise ValueError(why)
+        return value
+    return check
 
 
-def _concurrency(text: str) -> int:
-    v = _positive_int(text)
-    if v > MAX_CONCURRENCY:
-        raise ValueError("at most %d" % MAX_CONCURRENCY)
-    return v
-
-
-def _cache_size(text: str) -> int:
-    v = parse_size(text)
-    if 0 < v < MIN_CACHE_SIZE:
-        raise ValueError("0 (no disk cache) or at least %dM" % (MIN_CACHE_SIZE >> 20))
-    return v
-
-
-def _db_size(text: str) -> int:
-    v = parse_size(text)
-    if v < CHUNK_SIZE:
-        raise ValueError("at least 64K")
-    return v
-
-
-def _path(text: str) -> str:
-    if not text:
-        raise ValueError("an empty path")
-    return text
-
-
-def _nonneg_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise ValueError("must not be negative")
-    return v
-
-
-def _seconds(text: str) -> float:
-    v = float(text)
-    if not 0 < v < math.inf:
-        raise ValueError("must be a positive number of seconds")
-    return v
-
-
-def _nonneg_seconds(text: str) -> float:
-    v = float(text)
-    if not 0 <= v < math.inf:
-        raise ValueError("must be a number of seconds, 0 or more")
-    return v
+_positive_int = _checked(int, lambda v: v >= 1, "must be at least 1")
+_concurrency = _checked(_positive_int, lambda v: v <= MAX_CONCURRENCY, "at most %d" % MAX_CONCURRENCY)
+_cache_size = _checked(parse_size, lambda v: not 0 < v < MIN_CACHE_SIZE,
+                       "0 (no disk cache) or at least %dM" % (MIN_CACHE_SIZE >> 20))
+_db_size = _checked(parse_size, lambda v: v >= CHUNK_SIZE, "at least 64K")
+_path = _checked(str, bool, "an empty path")
+_nonneg_int = _checked(int, lambda v: v >= 0, "must not be negative")
+_seconds = _checked(float, lambda v: 0 < v < math.inf, "must be a positive number of seconds")
+_nonneg_seconds = _checked(float, lambda v: 0 <= v < math.inf, "must be a number of seconds, 0 or more")
 
 
 def _level(text: str) -> str:
