@@ -1,9 +1,8 @@
 """Chunk fetching for the reader: single-flight, verified, cached, prefetched.
 
-This is the one module of the reader that calls ``trio.to_thread``; every
-blocking call (boto3 or the local store, the disk cache, zstd) runs in a worker
-thread behind a ``trio.CapacityLimiter``, so pyfuse3's request tasks never
-block.
+The fetcher (this module and its parts) makes the reader's blocking calls
+(boto3 or the local store, the disk cache, zstd), each in a worker thread
+behind a ``trio.CapacityLimiter``, so pyfuse3's request tasks never block.
 
 Where a chunk comes from, in order: the in-memory LRU, a flight already under
 way for the same fingerprint (single-flight: concurrent requests make one
