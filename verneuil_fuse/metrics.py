@@ -37,8 +37,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-from .format import parse_manifest_name
-from .format.names import MANGLE_KEEP
+from verneuil_fuse.format import parse_manifest_name
+from verneuil_fuse.format.names import MANGLE_KEEP
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,6 @@ MOUNT_SERIES: tuple[Series, ...] = tuple(
         "prefetch_skipped": "prefetches not needed (cached or under way)",
         "prefetch_dropped": "prefetches dropped past the bound on prefetch flights",
         "prefetch_fetched": "chunks prefetched from the store",
-        "prefetch_advised": "cached chunks advised to the kernel ahead of reads",
         "prefetch_hits": "reads served by a prefetched chunk", "manifest_gets": "manifest GETs",
         "lists": "listings of the store", "too_large": "store objects refused for their size",
         "failed_fast": "reads failed at once after a recent give-up on the same chunk",

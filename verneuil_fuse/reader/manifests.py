@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import diskcache
 
-from verneuil_fuse.reader.cache import disk_room
+from verneuil_fuse.reader.segments import disk_room
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import os
 import re
 import sqlite3
 
-from .files import VerneuilSourceError, connect_readonly, find_databases
-from .schema import ERROR_COLUMN, SOURCE_COLUMN
-from .session import finish_session, spark_session
+from verneuil_fuse.spark.files import VerneuilSourceError, connect_readonly, find_databases
+from verneuil_fuse.spark.schema import ERROR_COLUMN, SOURCE_COLUMN
+from verneuil_fuse.spark.session import finish_session, spark_session
 
 # Databases named one by one in the driver's warning about skipped ones.
 SKIPPED_SHOWN = 10
