@@ -143,6 +143,7 @@ def _freshness(server: S3Server, work: str, seconds: float, rate: float) -> dict
         follow = mount.stats()["follow"]
     finally:
         mount.stop()
+        copier.terminate()  # a daemon: it ends on SIGTERM, never on its own
         stop_pid(copier.pid, 10)
         for p in meters.values():
             p.stop()
@@ -193,6 +194,7 @@ def torture(work: str, seconds: float) -> dict:
     finally:
         stop.set()
         mount.stop()
+        copier.terminate()  # a daemon: it ends on SIGTERM, never on its own
         stop_pid(copier.pid, 10)
         store.close()
     return {"seconds": seconds, "commits": len(writer.commits), "readers": 16, "errors": errors,

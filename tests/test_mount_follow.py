@@ -68,6 +68,7 @@ class Rig:
         try:
             self.mount.stop()
         finally:
+            self.copier.terminate()  # a daemon: it ends on SIGTERM, never on its own
             stop_pid(self.copier.pid, 10)
             self.copier.wait(timeout=10)
             self.store.close()
@@ -149,6 +150,7 @@ class Observers:
     def close(self) -> None:
         self.con.close()
         self.shell.stdin.close()
+        self.datasette.terminate()  # a server: it ends on SIGTERM, never on its own
         for proc in (self.shell, self.datasette):
             stop_pid(proc.pid, 10)
             proc.wait(timeout=10)

@@ -104,5 +104,6 @@ def test_prometheus_scrapes_and_joins_the_copier_and_the_mount(tmp_path):
     finally:
         w.close()
         if prometheus is not None:
+            prometheus.terminate()  # a server: it ends on SIGTERM, never on its own
             stop_pid(prometheus.pid, 10)
             prometheus.wait(timeout=10)
