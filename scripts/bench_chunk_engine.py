@@ -274,7 +274,8 @@ class Plan:
         return self.results
 
     def http(self, runs: list, pack_files: list[str], raw_s: float) -> None:
-        """(c): the runs as range GETs from nginx serving the packs."""
+        """(c): the runs as range GETs from nginx serving the packs; and the
+        chunk files, a GET each (the mount's path on S3 today)."""
         from benchlib.nginx_rig import NginxRig, ensure_nginx
 
         if ensure_nginx(lambda *a: None) is None:
@@ -283,14 +284,21 @@ class Plan:
         root = os.path.join(self.work, "www")
         os.makedirs(root)
         os.symlink(self.store["packed"], os.path.join(root, "packs"))
+        os.symlink(self.store["single"], os.path.join(root, "chunks"))
         with socket.socket() as s:  # moto's place: never asked, the packs are files
             s.bind(("127.0.0.1", 0))
             unused = s.getsockname()[1]
-        rig = NginxRig(os.path.join(self.work, "nginx"), root, ["packs"], unused, 0.0)
+        rig = NginxRig(os.path.join(self.work, "nginx"), root, ["packs", "chunks"], unused, 0.0)
         try:
             url = rig.endpoint + "/packs/"
             gets = [(url + urllib.parse.quote(os.path.basename(where), safe=""), start, end, False, blobs)
                     for where, start, end, _, blobs in runs]
+            singles = [(rig.endpoint + "/chunks/" + urllib.parse.quote(name, safe=""), 0, None, False, [(fp, 0, None)])
+                       for name, fp, _ in self.store["chunks"]]
+            files = [os.path.join(self.store["single"], name) for name, _, _ in self.store["chunks"]]
+            for cache in (True, False):
+                self.cold("(c) chunk objects, a GET each, %s" % ("cache" if cache else "memory"), run_engine, files,
+                          singles, self.work, cache, 0, SINGLE_IN_FLIGHT, 1, raw_s=raw_s)
             for workers in (0, READ_WORKERS):
                 for cache in (True, False):
                     self.cold("(c) 1 MiB range GETs, %d workers, %s" % (workers, "cache" if cache else "memory"),

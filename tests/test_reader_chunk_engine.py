@@ -520,3 +520,32 @@ def test_range_answers_that_break_the_rules():
         assert all(isinstance(o.failure, ChunkError) and "other bytes" in str(o.failure) for o in got[kind].values())
     assert all(isinstance(o.failure, BodyTooLarge) and o.failure.size == end - start + 999
                for o in got["longer"].values())
+
+
+def test_runs_of_a_packed_manifest_become_requests(local_store):
+    """`format.chunk_runs` of a packed manifest, through `run_reads`, on an
+    engine that takes 5 chunks a request: the run of 12 chunks is 3 file
+    reads of its pack, every chunk verified; a chunk object of its own is
+    a read of its own."""
+    from verneuil_fuse import format as fmt
+    from verneuil_fuse.reader.chunk_engine import run_reads
+
+    data = b"SQLite format 3\x00" + b"".join(_chunks(14))[16:]
+    m, _ = fmt.snapshot_of(data)
+    chunks = [data[k * CHUNK_SIZE:(k + 1) * CHUNK_SIZE] for k in range(len(m.chunks))]
+    pack, places = _pack(chunks[1:13])  # chunk 0 is bundled, chunk 13 an object of its own
+    space, name = fmt.Fprint(1, 2), fmt.Fprint(3, 4)
+    m.layout = fmt.PackedLayout.build(space, [None] + [(name, lo, hi - lo) for lo, hi in places] + [None])
+    root = local_store.chunks.root
+    local_store.chunks.put(fmt.pack_key(space, name), pack)
+    local_store.chunks.put(m.chunks[13].name, compress_chunk(chunks[13]))
+    runs = fmt.chunk_runs(m, range(1, 14))
+    reads = [read for run in runs
+             for read in run_reads(run, os.path.join(root, run.key), lambda k: Part(k, m.chunks[k]), 5, file=True)]
+    assert [len(r.parts) for r in reads] == [5, 5, 2, 1]
+    engine = ChunkEngine(4, 1 << 20, max_parts=5, workers=2)
+    try:
+        got = _submit_all(engine, reads)
+    finally:
+        engine.close()
+    assert sorted(got) == list(range(1, 14)) and all(got[k].data == chunks[k] for k in got)

@@ -20,10 +20,8 @@ waits in trio (the engine's eventfd) for the next batch of ``(token,
 Outcome)``, one per part. `close` stops the engine's threads, then frees
 it: after it nothing writes to the cache.
 
-A `format.Run` of a packed store becomes one `Read`::
-
-    Read(where, [Part(token, fps[i], lo, hi, target) for i, lo, hi in run.parts],
-         run.start, run.end)    # run.end None: a chunk object, (lo, hi) = (0, None)
+A `format.Run` of a packed store becomes one `Read`, or a few when it
+holds more chunks than a request takes (`run_reads`).
 
 Chunks only: every other request of the store (manifests, listings, PUTs)
 goes through the store's own engine (store/curl.py) or boto3.
@@ -33,12 +31,12 @@ from __future__ import annotations
 import errno
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import trio
 
 from verneuil_fuse.format import (CHUNK_KEY, CHUNK_SIZE, MAX_CHUNK_BLOB_BYTES, MAX_PACK_BYTES, ChunkError,
-                                  Fprint, chunk_name)
+                                  Fprint, Run, chunk_name)
 from verneuil_fuse.reader._chunk_engine import ffi, lib
 from verneuil_fuse.store.curl import BodyTooLarge, Response, transport_error
 
@@ -48,9 +46,10 @@ assert lib.VN_CE_CHUNK_SIZE == CHUNK_SIZE
 assert lib.VN_CE_BLOB_MAX == MAX_CHUNK_BLOB_BYTES
 assert lib.VN_CE_PACK_MAX == MAX_PACK_BYTES
 
-# Worker threads for a directory store's reads: with 2 cores, 4 keep a
-# disk's queue busy while two of them decode (scripts/bench_chunk_engine.py:
-# cold single chunk files 2.1x faster with 4 than with 1, no faster with 8).
+# Worker threads for a directory store's reads: with 2 cores, 4 keep the
+# disk busy while two of them decode (scripts/bench_chunk_engine.py, 384 MiB
+# cold, one chunk file a request: 2.2-3.0 s with 1 worker, 1.2-1.35 s with
+# 2, 0.8-1.0 s with 4, 0.8 s with 8).
 READ_WORKERS = 4
 
 
@@ -81,6 +80,24 @@ class Read(NamedTuple):
     end: int | None = None
     timeout: float = 30.0
     file: bool = False
+
+
+def run_reads(run: Run, where: str, part: Callable[[int], Part], max_parts: int, timeout: float = 30.0,
+              file: bool = False) -> list[Read]:
+    """The `Read`s of `format.Run` ``run`` of the object at ``where``: one,
+    or one per ``max_parts`` chunks of it (a run of many small blobs).
+    ``part(index)`` gives chunk ``index``'s `Part` (its ``lo`` and ``hi``
+    are set here)."""
+    if run.end is None:  # a chunk object of its own
+        ((index, _, _),) = run.parts
+        return [Read(where, (part(index)._replace(lo=0, hi=None),), timeout=timeout, file=file)]
+    reads = []
+    for at in range(0, len(run.parts), max_parts):
+        group = run.parts[at:at + max_parts]
+        base = group[0][1]
+        parts = tuple(part(index)._replace(lo=lo - base, hi=hi - base) for index, lo, hi in group)
+        reads.append(Read(where, parts, run.start + base, run.start + group[-1][2], timeout, file))
+    return reads
 
 
 @dataclass(slots=True)
