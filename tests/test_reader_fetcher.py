@@ -17,6 +17,15 @@ from verneuil_fuse.store import NotFound, TransientError
 from verneuil_fuse.store.s3 import DirectGets
 
 
+def wrapped_attr(inner, name):
+    """A wrapped backend's attribute, but for `direct_files`: the chunk
+    engine would read the directory store's files itself, past the
+    wrapper's faults."""
+    if name == "direct_files":
+        raise AttributeError(name)
+    return getattr(inner, name)
+
+
 class Faulty:
     """Wraps a Backend: counts GETs, can delay them or fail them."""
 
@@ -43,7 +52,7 @@ class Faulty:
         return self.inner.get(key, max_bytes)
 
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        return wrapped_attr(self.inner, name)
 
 
 class FaultyStore:
@@ -407,7 +416,7 @@ class SilentEngine:
         return TransientError("GET %s: %s" % (key, failure), key=key)
 
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        return wrapped_attr(self.inner, name)
 
 
 def test_engine_path_queued_demand_fails_at_its_deadline(chunks):
@@ -451,7 +460,7 @@ class RefusingEngine:
         return None
 
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        return wrapped_attr(self.inner, name)
 
 
 def test_engine_path_refused_runs_flights_in_tasks(chunks, tmp_path):
@@ -501,3 +510,62 @@ def test_engine_path_that_cannot_send_runs_flights_in_tasks(chunks):
     assert run(f, go) == [pub.chunks[fp] for fp in fps]
     assert not f._engine.available and store.chunks.asked == 1 and f.stats["failed"] == 0
     assert f.io_limiter.borrowed_tokens == 0 and f.prefetch_slots.borrowed_tokens == 0
+
+
+@pytest.mark.parametrize("packed", [0, 4 << 20], ids=["chunks", "packed"])
+def test_engine_path_reads_a_directory_store_by_files_and_runs(local_store, tmp_path, packed):
+    """On a directory store the flights go to the chunk engine's file reads
+    (no task per chunk), a packed store's adjacent chunks one request per
+    run; a truncated or damaged chunk file, or a cut pack, fails the reads
+    of its chunks, never wrong bytes, and its neighbours are served."""
+    from verneuil_fuse.format import chunk_source
+
+    data = os.urandom(65536 * 40)
+    pub = publish(local_store, data, "/db/files.db", packed=packed)
+    m = pub.manifest
+    indices = list(range(1, len(m.chunks)))
+    fps = [m.chunks[i] for i in indices]
+    sources = [chunk_source(m, i) for i in indices]
+    f = Fetcher(local_store, ChunkCache(str(tmp_path / "c"), 1 << 26), retries=1, backoff=0.01)
+    spawned = []
+
+    async def go():
+        real = f._nursery.start_soon
+        f._nursery.start_soon = lambda fn, *a: spawned.append(fn.__name__) or real(fn, *a)
+        f.prefetch(fps, sources=sources)
+        bufs = [bytearray(65536) for _ in fps]
+        await f.read_into(fps, [memoryview(b) for b in bufs], sources)
+        return bufs
+
+    assert f._engine.available
+    assert [bytes(b) for b in run(f, go)] == [pub.chunks[fp] for fp in fps]
+    assert "_fly" not in spawned and f.stats["store_fetches"] == len(fps) and f.stats["failed"] == 0
+    # One request per chunk file, or per run of up to 1 MiB of a pack.
+    assert f.stats["gets"] == (len(fps) if not packed else 3), f.stats["gets"]
+    # Damage: chunk 3's blob truncated, chunk 5's overwritten (a chunk
+    # file each, or the pack cut inside chunk 3's blob, which fails every
+    # chunk from there on).
+    path = local_store.chunks.direct_files()
+    if packed:
+        os.truncate(path(sources[2].key), sources[2].start + 100)
+        bad = set(range(2, len(fps)))
+    else:
+        os.truncate(path(fps[2].name), 100)
+        with open(path(fps[4].name), "r+b") as out:
+            out.write(b"\0" * 64)
+        bad = {2, 4}
+    g = Fetcher(local_store, None, retries=1, backoff=0.01)
+
+    async def damaged():
+        got = {}
+        for k in range(6):
+            try:
+                got[k] = await g.get_waiting(fps[k], sources[k])
+            except FetchError:
+                got[k] = None
+        return got
+
+    got = run(g, damaged)
+    assert {k for k, v in got.items() if v is None} == bad & set(range(6))
+    assert all(got[k] == pub.chunks[fps[k]] for k in got if k not in bad)
+    assert g.stats["failed"] == len(bad & set(range(6))) and g.stats["corrupt"] >= 1

@@ -73,7 +73,10 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
                           else ~/.cache/verneuil)
   cache_size=SIZE         bound of the disk cache this mount keeps (mounts
                           sharing a cache_dir each add theirs), e.g. 2G, 512M;
-                          0 = no disk cache, else at least 16M (default 2G);
+                          0 = no disk cache, else at least 16M (default 2G;
+                          none for a directory store on a local disk unless
+                          cache_dir= or hydrate is given: its chunk files are
+                          read at the disk's speed already);
                           it also leaves 5% of its file system free (at most 1G)
   mem_cache=SIZE          in-process cache of hot chunks (default 64M)
   refresh=SECONDS         how often the store is polled for new or removed
@@ -159,15 +162,17 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
 # (docs/READER.md). Random reads are not read ahead.
 DEFAULT_READ_AHEAD_KB = 4096
 
-# Largest `concurrency`: each GET in flight holds an HTTP connection and a
-# request of the chunk engine (about 130 KiB), or a worker thread on a
-# directory store; 1024 leaves room for a store far away while a typo
+# Largest `concurrency`: each GET in flight holds a request of the chunk
+# engine (about 130 KiB) and, on S3, an HTTP connection; 1024 leaves room for a store far away while a typo
 # (50000000) cannot exhaust memory at start-up.
 MAX_CONCURRENCY = 1024
 # Smallest non-zero `cache_size`: the disk cache keeps its bound by evicting
 # whole segments, 16 of them, of at least 1 MiB each (cache.py), so a bound
 # below 16 MiB could not be kept.
 MIN_CACHE_SIZE = 16 << 20
+# The disk cache's bound by default (but see `_default_cache_size`): a few
+# databases' worth of chunks, a small share of a server's disk.
+DEFAULT_CACHE_SIZE = 2 << 30
 
 # At unmount, chunks already downloaded are still written to the disk cache
 # for at most this long: a GET paid for is not thrown away (a scan that ends
@@ -210,7 +215,7 @@ class Options:
     foreground: bool = False
     fuse: list[str] = field(default_factory=list)
     cache_dir: str | None = None
-    cache_size: int = 2 << 30
+    cache_size: int | None = None  # None: `_default_cache_size`
     mem_cache: int = 64 << 20
     refresh: float = 10.0
     follow: bool = True
@@ -752,15 +757,30 @@ async def serve(opts: Options, store, ready) -> None:
         _tear_down(opts, layers)
 
 
-def _open_disk_cache(opts: Options) -> ChunkCache | None:
-    """The chunk cache in cache_dir, or None with cache_size=0."""
+def _default_cache_size(opts: Options, store) -> int:
+    """The disk cache's bound when ``cache_size`` is not given: none for a
+    directory store on this machine's own disks, unless ``cache_dir`` or
+    ``hydrate`` asks for one (its chunk files are read at the disk's speed
+    already, and a cache would write every byte twice: docs/READER.md, "The
+    disk cache"), else `DEFAULT_CACHE_SIZE`."""
+    on_local_disk = getattr(store.chunks, "on_local_disk", None)
+    if opts.cache_dir is None and not opts.hydrate and callable(on_local_disk) and on_local_disk():
+        log.info("no disk cache: the directory store is on a local disk (cache_size= or cache_dir= for one)")
+        return 0
+    return DEFAULT_CACHE_SIZE
+
+
+def _open_disk_cache(opts: Options, store) -> ChunkCache | None:
+    """The chunk cache in cache_dir, or None with cache_size=0 (or by
+    default, `_default_cache_size`)."""
     from verneuil_fuse.reader.cache import ChunkCache, default_cache_dir
 
-    if opts.cache_size <= 0:
+    size = opts.cache_size if opts.cache_size is not None else _default_cache_size(opts, store)
+    if size <= 0:
         return None
     cache_dir = opts.cache_dir or default_cache_dir()
     try:
-        return ChunkCache(cache_dir, opts.cache_size)
+        return ChunkCache(cache_dir, size)
     except OSError as e:
         raise UserError("cannot use cache_dir %s: %s" % (cache_dir, e.strerror or e), EXIT_USAGE) from None
 
@@ -785,7 +805,7 @@ def _build_layers(opts: Options, store) -> _Layers:
     from verneuil_fuse.reader.follow import Followers
     from verneuil_fuse.reader.watch import DEFAULT_INTERVAL as DEFAULT_FOLLOW_INTERVAL, Watch
 
-    cache = _open_disk_cache(opts)
+    cache = _open_disk_cache(opts, store)
     fetcher = Fetcher(
         store,
         cache,

@@ -28,20 +28,20 @@ prefetch slots, so demand reads always find store capacity; a demand read
 that joins a prefetch still waiting for its slot promotes it at once.
 
 Two ways a flight runs. On a store whose backend gives its chunks' URLs
-and signing (S3's `direct_gets`) a GET costs the trio thread no task and no
-Event: `flights.EnginePath` queues flights for their slots, starts them on
-the chunk engine in C (`chunk_engine.ChunkEngine`) many per submission,
-which decodes, verifies and writes them to the disk cache on its own
-thread, outside the GIL, and hands their answers back in batches (one
+and signing (S3's `direct_gets`) or their files' paths (a directory
+store's `direct_files`) a read costs the trio thread no task and no Event:
+`flights.EnginePath` queues flights for their slots, starts them on the
+chunk engine in C (`chunk_engine.ChunkEngine`) many per submission, which
+reads, decodes, verifies and writes them to the disk cache on its own
+threads, outside the GIL, and hands their answers back in batches (one
 wake-up of trio per batch) to `engine_answered`; a read request waits for
-all its chunks on one Event (`_Waiter`). Anything else runs in a task
-(`_fly`): a chunk the disk cache may hold, a directory store's GETs in
-threads, hydration, the retries of a GET that failed on the engine, and a
-chunk of a packed store (docs/FORMAT.md, "Packed layout"), whose flight
-carries its `ChunkSource` (a byte range of a pack, given by the replica)
-and is read by `store.read_chunk` with a range GET, verified and cached
-like any chunk (one range GET per chunk: runs of adjacent chunks in one GET
-are for the engine path to do).
+all its chunks on one Event (`_Waiter`). A chunk of a packed store
+(docs/FORMAT.md, "Packed layout") carries its `ChunkSource` (a byte range
+of a pack, given by the replica): the flights of adjacent blobs started
+together go as one range request. Anything else runs in a task (`_fly`):
+a chunk the disk cache may hold, hydration, the retries of a read that
+failed on the engine (a pack's chunk by `store.read_chunk`, one range read
+in a thread), and every read of a backend that gives neither.
 """
 from __future__ import annotations
 
@@ -699,9 +699,8 @@ class Fetcher:
         """Start the flight of one chunk; ``slot``: its place in the disk
         cache, taken here unless given; ``source``: where the chunk is in a
         packed store (None: its own chunk object). A GET the chunk engine can
-        make (a whole chunk object) is queued for `EnginePath.pump` (the
-        caller calls it once its flights are started); anything else runs in
-        a task (`_fly`): a range of a pack too, read by `read_chunk`."""
+        make is queued for `EnginePath.pump` (the caller calls it once its
+        flights are started); anything else runs in a task (`_fly`)."""
         if self._nursery is None:
             raise RuntimeError("Fetcher.bind(nursery) was not called")
         # The chunk's place in the disk cache is taken now, in the order
@@ -715,8 +714,7 @@ class Fetcher:
         self._inflight[fp] = flight
         if prefetch:
             self._prefetch_flights += 1
-        ranged = source is not None and source.ranged
-        if hydrate or ranged or not self._engine.available or (cache is not None and cache.might_have(fp)):
+        if hydrate or not self._engine.available or (cache is not None and cache.might_have(fp)):
             self._nursery.start_soon(self._fly, flight, hydrate)
         else:
             self._engine.queue(flight)
