@@ -59,6 +59,7 @@ from benchlib import make_events_db  # noqa: E402
 from verneuil_fuse.format import (CHUNK_SIZE, MAX_CHUNK_BLOB_BYTES, MAX_RUN_BYTES,  # noqa: E402
                                   ZERO_CHUNK_FPRINT, compress_chunk, fingerprint)
 from verneuil_fuse.reader.chunk_engine import READ_WORKERS  # noqa: E402
+from verneuil_fuse.reader.flights import RUN_PARTS  # noqa: E402  (chunks per request, as a mount's)
 
 MB = 1 << 20
 # Bytes per pack: the copier's (copier.packing.PACK_TARGET_BYTES).
@@ -68,12 +69,8 @@ ROWS_PER_MB = 8900
 # Requests in flight: single chunks as the mount's directory-store path
 # keeps them (fetcher.DEFAULT_THREAD_CONCURRENCY / 2: its prefetch share),
 # and runs of up to 16 chunks: 16 MiB, the mount's readahead.
-SINGLE_IN_FLIGHT = 64
-RUN_IN_FLIGHT = 16
-# Chunks per run at most (`ChunkEngine(max_parts=...)`): 1 MiB of blobs of
-# chunks that compress 4:1.
-RUN_PARTS = 64
-RUN_TIME_LIMIT = 900.0
+SINGLE_IN_FLIGHT, RUN_IN_FLIGHT = 64, 16
+RUN_TIME_LIMIT = 900.0  # seconds: one mode's cold read, bounded
 
 
 # -- the store -----------------------------------------------------------------

@@ -569,3 +569,28 @@ def test_engine_path_reads_a_directory_store_by_files_and_runs(local_store, tmp_
     assert {k for k, v in got.items() if v is None} == bad & set(range(6))
     assert all(got[k] == pub.chunks[fps[k]] for k in got if k not in bad)
     assert g.stats["failed"] == len(bad & set(range(6))) and g.stats["corrupt"] >= 1
+
+
+def test_readahead_top_ups_of_a_pack_join_their_runs(local_store, monkeypatch):
+    """A readahead that tops its window up two chunks at a time, while
+    requests are in flight, still reads a pack by runs of about 1 MiB, not
+    a request per top-up; the last run goes once nothing else is in flight."""
+    from verneuil_fuse.format import chunk_source
+    from verneuil_fuse.reader import flights
+
+    monkeypatch.setattr(flights, "RUN_WAIT", 60.0)  # however slow the machine: every top-up in time
+    pub = publish(local_store, os.urandom(65536 * 40), "/db/topups.db", packed=4 << 20)
+    m = pub.manifest
+    fps = list(m.chunks[1:])
+    sources = [chunk_source(m, i) for i in range(1, len(m.chunks))]
+    f = Fetcher(local_store, None)
+
+    async def go():
+        for k in range(0, len(fps), 2):  # no checkpoint between: no answer taken meanwhile
+            f.prefetch(fps[k:k + 2], sources=sources[k:k + 2])
+        bufs = [bytearray(65536) for _ in fps]
+        await f.read_into(fps, [memoryview(b) for b in bufs], sources)
+        return bufs
+
+    assert [bytes(b) for b in run(f, go)] == [pub.chunks[fp] for fp in fps]
+    assert f.stats["store_fetches"] == len(fps) and f.stats["gets"] == 4, f.stats["gets"]  # 2 chunks, then runs of 15, 15 and 7

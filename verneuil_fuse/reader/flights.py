@@ -67,6 +67,10 @@ SPARE_REQUESTS = 16
 # request's memory in the engine is MAX_RUN_BYTES and RUN_PARTS x 64 KiB,
 # taken only as used.
 RUN_PARTS = 32
+# Longest wait of a prefetch of a pack's chunk for the readahead's next
+# chunks to join its run (`EnginePath._hold_back`): a scan's read requests,
+# each topping the readahead window up, come a few ms apart.
+RUN_WAIT = 0.02
 
 # Where a flight is (`Flight.state`).
 QUEUED = "queued"  # waiting for a GET slot, to go to the chunk engine (`EnginePath.pump`)
@@ -82,7 +86,7 @@ class Flight:
     (`Fetcher._finish`)."""
 
     __slots__ = ("fp", "state", "data", "error", "prefetch", "promoted", "slot", "waiters", "wait_scope",
-                 "deadline", "holds_prefetch_slot", "source")
+                 "deadline", "holds_prefetch_slot", "source", "queued_at")
 
     def __init__(self, fp: Fprint, prefetch: bool, slot: CacheSlot | None = None,
                  source: ChunkSource | None = None):
@@ -98,6 +102,7 @@ class Flight:
         self.wait_scope: trio.CancelScope | None = None  # a task's wait for a prefetch slot
         self.deadline = 0.0  # trio time; set when the deadline starts
         self.holds_prefetch_slot = False  # on the engine path
+        self.queued_at = 0.0  # trio time it queued for the engine (`EnginePath._hold_back`)
 
 
 def store_chunk(cache: ChunkCache, fp: Fprint, data: bytes, slot: CacheSlot | None) -> None:
@@ -194,6 +199,7 @@ class EnginePath:
         flights are queued). A demand flight's deadline starts now, a
         prefetch's when it gets its slots."""
         flight.state = QUEUED
+        flight.queued_at = trio.current_time()
         if flight.prefetch:
             self.queued_prefetch.append(flight)
         else:
@@ -235,6 +241,7 @@ class EnginePath:
             batch.append(flight)
         else:
             self._pump_prefetches(batch, room)
+            self._hold_back(batch)
         if batch:
             self._submit(batch)
         if demand and not self._watching:
@@ -269,6 +276,53 @@ class EnginePath:
             if not flight.promoted:
                 flight.deadline = now + owner.deadline  # a prefetch's deadline starts with its slot
             batch.append(flight)
+
+    def _hold_back(self, batch: list[Flight]) -> None:
+        """The prefetches at the end of ``batch`` that make a run of a pack
+        with room for more chunks go back to the head of their queue, their
+        slots given back, while an answer is still to come (requests in
+        flight, or others in ``batch``: `_drain` pumps again then), when the
+        next chunk of their run waits in the queue for a slot (the slots an
+        answer gives back would otherwise cut runs ever shorter), or for at
+        most `RUN_WAIT` since they queued (the readahead tops its window up
+        a read request at a time, and the chunks it adds next join their
+        run): a scan costs about a request per `MAX_RUN_BYTES`."""
+        tail = len(batch)
+        while tail > 0:  # the trailing prefetches of one pack, end to end
+            source = batch[tail - 1].source
+            if not batch[tail - 1].holds_prefetch_slot or source is None or not source.ranged:
+                break
+            if tail < len(batch) and not (source.key == batch[tail].source.key
+                                          and source.end == batch[tail].source.start):
+                break
+            tail -= 1
+        start = tail  # their last run, as `_reads` cuts it
+        for at in range(tail + 1, len(batch)):
+            if at - start >= RUN_PARTS or batch[at].source.end - batch[start].source.start > MAX_RUN_BYTES:
+                start = at
+        held = batch[start:]
+        if not held or len(held) >= RUN_PARTS or (
+                held[-1].source.end - held[0].source.start > MAX_RUN_BYTES - MAX_CHUNK_BLOB_BYTES):
+            return
+        in_flight = self._engine is not None and self._engine.free < self._requests
+        if not in_flight and start == 0:
+            return  # no answer to come: nothing would send them
+        if not self._next_queued(held[-1].source) and trio.current_time() - held[0].queued_at >= RUN_WAIT:
+            return
+        del batch[start:]
+        for flight in held:
+            self._release_slots(flight)
+            flight.state = QUEUED
+        self.queued_prefetch.extendleft(reversed(held))
+
+    def _next_queued(self, source: ChunkSource) -> bool:
+        """Whether the first prefetch still queued is the chunk whose blob
+        follows ``source``'s in its pack."""
+        for flight in self.queued_prefetch:
+            if flight.state is QUEUED:
+                after = flight.source
+                return after is not None and after.key == source.key and after.start == source.end
+        return False
 
     def _ready(self) -> tuple[ChunkEngine, _Route] | None:
         """The engine, set up to send the backend's requests as they are to
