@@ -329,11 +329,11 @@ def test_file_reads_of_chunk_objects_verify_write_and_refuse(local_store, tmp_pa
 def test_file_range_reads_of_a_pack_split_verify_and_write_each_chunk(local_store, tmp_path):
     """Runs of a pack file, one request each: every chunk verified on its
     own, written into its own cache slot, the same bytes as the store's
-    Python read (`read_run`); a pack cut short serves the chunks it still
+    Python read (`Reads.run`); a pack cut short serves the chunks it still
     holds and fails the others (ChunkError), a damaged blob fails only its
     chunk, a range past the end fails every chunk."""
     from verneuil_fuse.format import Run
-    from verneuil_fuse.store import read_run
+    from verneuil_fuse.store.reads import Reads
 
     chunks = _chunks(12)
     fps = [fingerprint(c) for c in chunks]
@@ -364,7 +364,7 @@ def test_file_range_reads_of_a_pack_split_verify_and_write_each_chunk(local_stor
     finally:
         engine.close()
     run = Run("pack-whole", 0, len(pack), [(k, lo, hi) for k, (lo, hi) in enumerate(places)])
-    python = dict(read_run(backend, run, dict(enumerate(fps))))
+    python = dict(Reads(local_store).run(run, dict(enumerate(fps))))
     for k, data in enumerate(chunks):
         assert whole[k].verified and whole[k].written and whole[k].size == places[k][1] - places[k][0]
         assert whole[k].data == (data if k < 6 else None)
@@ -421,7 +421,7 @@ def test_range_gets_of_a_pack_on_s3(s3_store, tmp_path, workers):
     the engine's HTTP thread or on its workers: every chunk verified on
     its own and written into its cache slot; a range that runs past the
     object's end serves the chunks the object holds and fails the others,
-    one that starts past it fails every chunk (ChunkError, as `read_run`'s
+    one that starts past it fails every chunk (ChunkError, as `Reads.run`'s
     short read)."""
     chunks = _chunks(10)
     fps = [fingerprint(c) for c in chunks]

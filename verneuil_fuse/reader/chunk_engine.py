@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import trio
 
 from verneuil_fuse.format import (CHUNK_KEY, CHUNK_SIZE, MAX_CHUNK_BLOB_BYTES, MAX_PACK_BYTES, ChunkError,
-                                  Fprint, Run, chunk_name)
+                                  Fprint, Run)
 from verneuil_fuse.reader._chunk_engine import ffi, lib
 from verneuil_fuse.store.curl import BodyTooLarge, Response, transport_error
 
@@ -262,7 +262,7 @@ class ChunkEngine:
             where = ffi.string(r.url).decode("utf-8", "replace")
             return Outcome(failure=ChunkError(
                 "%s holds %d bytes from %d, not the %d to %d of chunk %s: the pack was cut or replaced"
-                % (where, r.body_len, r.start, p.lo, p.hi, chunk_name(Fprint(p.fp[0], p.fp[1])))))
+                % (where, r.body_len, r.start, p.lo, p.hi, Fprint(p.fp[0], p.fp[1]).name)))
         return Outcome(failure=failure)
 
     def _failure(self, r: Any) -> Response | OSError | ChunkError:

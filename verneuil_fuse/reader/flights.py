@@ -47,10 +47,10 @@ from typing import Any, Callable, NamedTuple, Protocol
 import trio
 
 from verneuil_fuse.format import (MAX_CHUNK_BLOB_BYTES, MAX_RUN_BYTES, ChunkError, ChunkSource, Fprint,
-                                  chunk_mismatch, chunk_name)
+                                  chunk_mismatch)
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache
 from verneuil_fuse.reader.chunk_engine import READ_WORKERS, ChunkEngine, Outcome, Part, Read
-from verneuil_fuse.store import StoreError
+from verneuil_fuse.store import DirectFiles, DirectReads, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ RUN_WAIT = 0.02
 # Where a flight is (`Flight.state`).
 QUEUED = "queued"  # waiting for a GET slot, to go to the chunk engine (`EnginePath.pump`)
 ENGINE = "engine"  # its GET is on the chunk engine; its answer comes back through `EnginePath`
-TASK = "task"  # a trio task runs it (`Fetcher._fly`): disk cache, threads, retries, hydration
+TASK = "task"  # a trio task runs it (`FlightRuns._fly`): disk cache, threads, retries, hydration
 DONE = "done"
 
 
@@ -83,7 +83,7 @@ class Flight:
     """One chunk's fetch, shared by every read of it (single-flight). Its
     waiters are the fetcher's `_Waiter` objects, one per read request however
     many of its chunks it waits for, told when the flight is done
-    (`Fetcher._finish`)."""
+    (`FlightRuns._finish`). Its ``state`` is written in this module only."""
 
     __slots__ = ("fp", "state", "data", "error", "prefetch", "promoted", "slot", "waiters", "wait_scope",
                  "deadline", "holds_prefetch_slot", "source", "queued_at")
@@ -104,6 +104,14 @@ class Flight:
         self.holds_prefetch_slot = False  # on the engine path
         self.queued_at = 0.0  # trio time it queued for the engine (`EnginePath._hold_back`)
 
+    def to_task(self) -> None:
+        """A trio task runs it from now on (`FlightRuns._fly`)."""
+        self.state = TASK
+
+    def finish(self) -> None:
+        """Its bytes or its error are in (`FlightRuns._finish`)."""
+        self.state = DONE
+
 
 def store_chunk(cache: ChunkCache, fp: Fprint, data: bytes, slot: CacheSlot | None) -> None:
     """Write a verified chunk to the disk cache, in its slot if it has one
@@ -115,7 +123,7 @@ def store_chunk(cache: ChunkCache, fp: Fprint, data: bytes, slot: CacheSlot | No
         else:
             cache.put(fp, data)
     except Exception:  # noqa: BLE001 - reads go on from the store
-        log.exception("cannot write chunk %s to the cache", chunk_name(fp))
+        log.exception("cannot write chunk %s to the cache", fp.name)
     finally:
         if slot is not None:
             slot.abandon()  # if `write` failed
@@ -152,7 +160,7 @@ class _Route(NamedTuple):
 
 
 def _key(flight: Flight) -> str:
-    return flight.source.key if flight.source is not None else chunk_name(flight.fp)
+    return flight.source.key if flight.source is not None else flight.fp.name
 
 
 class _OneGet:
@@ -167,16 +175,17 @@ class _OneGet:
 
 class EnginePath:
     """The flights queued for, or on, the chunk engine (see the module's
-    docstring). ``backend``: the chunks backend, whose `direct_gets` gives
-    the URLs and signing, or `direct_files` the files' paths (neither: no
+    docstring). ``backend``: the chunks backend's direct reads, whose
+    `direct_gets` gives the URLs and signing, or else ``files``, a
+    directory's, whose `direct_files` gives the files' paths (neither: no
     engine path); ``requests``: the engine's requests in flight at most
     (the fetcher's GET slots)."""
 
-    def __init__(self, owner: FlightOwner, backend: Any, requests: int):
+    def __init__(self, owner: FlightOwner, backend: DirectReads | None, requests: int,
+                 files: DirectFiles | None = None):
         self._owner = owner
-        self._files = callable(getattr(backend, "direct_files", None))
-        usable = self._files or callable(getattr(backend, "direct_gets", None))
-        self._backend = backend if usable else None
+        self._files = backend is None and files is not None  # a directory store's files
+        self._backend: Any = backend if backend is not None else files
         self._off = self._backend is None  # no engine path (or turned off)
         self._requests = requests + SPARE_REQUESTS
         self._engine: ChunkEngine | None = None  # made at the first GET, ended with the nursery
@@ -531,7 +540,7 @@ class EnginePath:
             return None
         engine, route = ready
         wait = _OneGet()
-        name = chunk_name(fp)
+        name = fp.name
         try:
             engine.submit([Read(route.where(name), (Part(wait, fp),), timeout=self._owner.timeout,
                                 file=route.file)])
