@@ -171,8 +171,8 @@ def fanout(args, src: str, store_url: str, runner: Runner, expected: list) -> di
         for name, fn in variants.items():
             mounts += 1
             mnt = os.path.join(args.work, "mnt%d" % mounts)
-            m = Mount(store_url, mnt, "cache_dir=%s,refresh=3600" % os.path.join(
-                args.work, "cache%d" % mounts)).start(60)
+            m = Mount(store_url, mnt, "cache_dir=%s,refresh=3600%s" % (os.path.join(
+                args.work, "cache%d" % mounts), "," + args.options if args.options else "")).start(60)
             try:
                 paths = find_databases(m.path(local_hostname(), src))
                 for kind in ["cold"] + ["warm"] * args.warm_runs + ["hot"] * args.warm_runs:
@@ -281,6 +281,7 @@ def main() -> int:
     p.add_argument("--warm-runs", type=int, default=3, help="warm queries after each cold one")
     p.add_argument("--work", help="scratch directory (default: a new temporary one)")
     p.add_argument("--out", default="bench-spark.json")
+    p.add_argument("--options", default="", help="extra mount options (cache_size=0: no disk cache)")
     p.add_argument("--skip-fanout", action="store_true", help="only the overhead figures")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="scan")
     p.add_argument("--skip-overhead", action="store_true",

@@ -473,7 +473,7 @@ def _mount_gate(argv):
         assert math.isfinite(v) and v >= 0, (name, v)
     for name in ("cache_size", "mem_cache", "readahead_max", "btree_max", "concurrency", "retries"):
         v = getattr(opts, name)
-        assert (v is None and name == "concurrency") or v >= 0, name  # None: the fetcher's default for the store
+        assert (v is None and name in ("concurrency", "cache_size")) or v >= 0, name  # None: the default for the store
     # Owner and modes the kernel's attributes can hold; a port; a subtree
     # of absolute, plain components.
     assert all(v is None or 0 <= v < (1 << 32) - 1 for v in (opts.uid, opts.gid)), (opts.uid, opts.gid)

@@ -80,6 +80,10 @@ class Env:
         return where
 
 
+# The replicas whose chunk 2 is damaged in the store (`env`).
+DAMAGED = ("corrupt.db", "truncated.db", "missing.db")
+
+
 @pytest.fixture(scope="module", params=["local", "s3"])
 def env(request, tmp_path_factory):
     """One mount per store kind: every test here runs against a directory
@@ -105,14 +109,16 @@ def env(request, tmp_path_factory):
     e.add_bytes(os.urandom(3 * CHUNK_SIZE + 17), "/data/raw.db", compress=False)  # chunks stored raw
     make_db(os.path.join(root, "packed-src.db"), 12000, seed=9)
     e.add_bytes(open(os.path.join(root, "packed-src.db"), "rb").read(), "/data/packed.db", packed=PACK)
-    # Damaged replicas: one chunk corrupted, one chunk missing (damaged packs:
-    # tests/test_mount_hostile.py).
-    for name in ("corrupt.db", "missing.db"):
+    # Damaged replicas: one chunk corrupted, one cut short, one missing
+    # (damaged packs: tests/test_mount_hostile.py).
+    for name in DAMAGED:
         data = os.urandom(5 * CHUNK_SIZE)
         where = e.add_bytes(b"SQLite format 3\x00" + data[16:], "/data/" + name)
         pub_fp = _chunk_fp(e, where, 2)
         if name == "corrupt.db":
             e.store.chunks.put(pub_fp.name, os.urandom(CHUNK_SIZE))
+        elif name == "truncated.db":
+            e.store.chunks.put(pub_fp.name, e.store.chunks.get(pub_fp.name)[:CHUNK_SIZE // 2])
         else:
             e.store.chunks.delete(pub_fp.name)
     e.mount = Mount.under(e.root, e.url, "refresh=0.5,retries=1,timeout=5,metrics_port=0")
@@ -407,7 +413,7 @@ def test_hydrate_fills_the_cache_then_reads_need_no_get(env):
 
         states = wait_for(settled, 60, "every database to be hydrated")
         for where, h in states.items():
-            if where.endswith(("/corrupt.db", "/missing.db")):
+            if where.endswith(tuple("/" + n for n in DAMAGED)):
                 assert (h["state"], h["failed"]) == ("incomplete", 1), (where, h)
                 assert _chunk_fp(env, where, 2).name in h["error"], h
             else:
@@ -415,7 +421,7 @@ def test_hydrate_fills_the_cache_then_reads_need_no_get(env):
         assert "hydration of /%s/data/missing.db is incomplete" % HOST in open(log).read()
         gets = m.stats()["fetch"]["gets"]
         for where, data in env.sources.items():
-            if not where.endswith(("/corrupt.db", "/missing.db")):
+            if not where.endswith(tuple("/" + n for n in DAMAGED)):
                 assert _read(m.path(where)) == data, where
         fetch = m.stats()["fetch"]
         assert fetch["gets"] == gets
@@ -458,7 +464,7 @@ def test_a_cache_on_a_disk_smaller_than_cache_size(env):
                    "cache_dir=%s,cache_size=1G,mem_cache=1M,log_file=%s" % (fs, log)) as m:
             for _ in range(2):
                 for where, data in env.sources.items():
-                    if not where.endswith(("/corrupt.db", "/missing.db")):
+                    if not where.endswith(tuple("/" + n for n in DAMAGED)):
                         assert _read(m.path(where)) == data, where
             stats = m.stats()
             assert stats["mount"]["read_errors"] == 0
@@ -476,7 +482,7 @@ def test_a_cache_on_a_disk_smaller_than_cache_size(env):
         subprocess.run(["umount", "-l", fs], check=False)
 
 
-@pytest.mark.parametrize("name", ["corrupt.db", "missing.db"])
+@pytest.mark.parametrize("name", DAMAGED)
 def test_bad_chunk_is_a_remote_io_error_never_wrong_bytes(env, name):
     where = "/%s/data/%s" % (HOST, name)
     data = env.sources[where]

@@ -304,3 +304,34 @@ def test_stats_hold_the_mount_section(tmp_path):
         assert layers.catalog.stats()["mount"]["ready"] is True
     finally:
         mount._tear_down(opts, layers)
+
+
+def test_directory_store_on_a_local_disk_gets_no_disk_cache_by_default(tmp_path):
+    """A directory store on this machine's disk: no disk cache unless
+    cache_size=, cache_dir= or hydrate asks for one; a store elsewhere (one
+    that is not a local directory) keeps the 2G default."""
+    from verneuil_fuse.store import NO_CAPABILITIES, open_store
+
+    store = open_store("file://%s/store" % tmp_path, create=True)
+    assert store.chunks.on_local_disk()
+
+    def cache(options: str):
+        opts = mount.parse_args(["s", "m"] + (["-o", options] if options else []))
+        got = mount._open_disk_cache(opts, store)
+        return None if got is None else got.describe()["limit"]
+
+    assert cache("") is None
+    assert cache("cache_size=32M") == 32 << 20
+    assert cache("cache_dir=%s/c" % tmp_path) == mount.DEFAULT_CACHE_SIZE
+    assert mount._default_cache_size(mount.parse_args(["s", "m", "-o", "hydrate"]), store) == mount.DEFAULT_CACHE_SIZE
+
+    class Elsewhere:  # a store whose chunks are no directory's files (S3's)
+        class chunks:
+            @staticmethod
+            def capabilities():
+                return NO_CAPABILITIES
+
+    opts = mount.parse_args(["s", "m", "-o", "cache_dir=%s/d" % tmp_path])
+    opts.cache_dir = None
+    assert mount._default_cache_size(opts, Elsewhere()) == mount.DEFAULT_CACHE_SIZE
+    assert mount._default_cache_size(opts, store) == 0

@@ -13,7 +13,18 @@ from support.replicas import publish
 from verneuil_fuse.reader.cache import FORMAT_DIR, ChunkCache
 from verneuil_fuse.reader.fetcher import FetchError, Fetcher
 from verneuil_fuse.format import compress_chunk, fingerprint
-from verneuil_fuse.store import Capabilities, DirectGets, NotFound, TransientError
+from verneuil_fuse.store import NO_CAPABILITIES, Capabilities, DirectGets, NotFound, TransientError
+
+
+def wrapped_attr(inner, name):
+    """A wrapped backend's attribute, but for its direct reads: the chunk
+    engine would read the directory store's files itself, past the
+    wrapper's faults."""
+    if name == "direct_files":
+        raise AttributeError(name)
+    if name == "capabilities":
+        return lambda: NO_CAPABILITIES
+    return getattr(inner, name)
 
 
 class Faulty:
@@ -42,7 +53,7 @@ class Faulty:
         return self.inner.get(key, max_bytes)
 
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        return wrapped_attr(self.inner, name)
 
 
 class FaultyStore:
@@ -393,7 +404,7 @@ class SilentEngine:
         return TransientError("GET %s: %s" % (key, failure), key=key)
 
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        return wrapped_attr(self.inner, name)
 
 
 def test_engine_path_queued_demand_fails_at_its_deadline(chunks):
@@ -440,7 +451,7 @@ class RefusingEngine:
         return None
 
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        return wrapped_attr(self.inner, name)
 
 
 def test_engine_path_refused_runs_flights_in_tasks(chunks, tmp_path):
@@ -490,3 +501,87 @@ def test_engine_path_that_cannot_send_runs_flights_in_tasks(chunks):
     assert run(f, go) == [pub.chunks[fp] for fp in fps]
     assert not f._engine.available and store.chunks.asked == 1 and f.stats["failed"] == 0
     assert f.io_limiter.borrowed_tokens == 0 and f.prefetch_slots.borrowed_tokens == 0
+
+
+@pytest.mark.parametrize("packed", [0, 4 << 20], ids=["chunks", "packed"])
+def test_engine_path_reads_a_directory_store_by_files_and_runs(local_store, tmp_path, packed):
+    """On a directory store the flights go to the chunk engine's file reads
+    (no task per chunk), a packed store's adjacent chunks one request per
+    run; a truncated or damaged chunk file, or a cut pack, fails the reads
+    of its chunks, never wrong bytes, and its neighbours are served."""
+    from verneuil_fuse.format import chunk_source
+
+    data = os.urandom(65536 * 40)
+    pub = publish(local_store, data, "/db/files.db", packed=packed)
+    m = pub.manifest
+    indices = list(range(1, len(m.chunks)))
+    fps = [m.chunks[i] for i in indices]
+    sources = [chunk_source(m, i) for i in indices]
+    f = Fetcher(local_store, ChunkCache(str(tmp_path / "c"), 1 << 26), retries=1, backoff=0.01)
+    spawned = []
+
+    async def go():
+        real = f._nursery.start_soon
+        f._nursery.start_soon = lambda fn, *a: spawned.append(fn.__name__) or real(fn, *a)
+        f.prefetch(fps, sources=sources)
+        bufs = [bytearray(65536) for _ in fps]
+        await f.read_into(fps, [memoryview(b) for b in bufs], sources)
+        return bufs
+
+    assert f._engine.available
+    assert [bytes(b) for b in run(f, go)] == [pub.chunks[fp] for fp in fps]
+    assert "_fly" not in spawned and f.stats["store_fetches"] == len(fps) and f.stats["failed"] == 0
+    # One request per chunk file, or per run of up to 1 MiB of a pack.
+    assert f.stats["gets"] == (len(fps) if not packed else 3), f.stats["gets"]
+    # Damage: chunk 3's blob truncated, chunk 5's overwritten (a chunk
+    # file each, or the pack cut inside chunk 3's blob, which fails every
+    # chunk from there on).
+    path = local_store.chunks.direct_files()
+    if packed:
+        os.truncate(path(sources[2].key), sources[2].start + 100)
+        bad = set(range(2, len(fps)))
+    else:
+        os.truncate(path(fps[2].name), 100)
+        with open(path(fps[4].name), "r+b") as out:
+            out.write(b"\0" * 64)
+        bad = {2, 4}
+    g = Fetcher(local_store, None, retries=1, backoff=0.01)
+
+    async def damaged():
+        got = {}
+        for k in range(6):
+            try:
+                got[k] = await g.get_waiting(fps[k], sources[k])
+            except FetchError:
+                got[k] = None
+        return got
+
+    got = run(g, damaged)
+    assert {k for k, v in got.items() if v is None} == bad & set(range(6))
+    assert all(got[k] == pub.chunks[fps[k]] for k in got if k not in bad)
+    assert g.stats["failed"] == len(bad & set(range(6))) and g.stats["corrupt"] >= 1
+
+
+def test_readahead_top_ups_of_a_pack_join_their_runs(local_store, monkeypatch):
+    """A readahead that tops its window up two chunks at a time, while
+    requests are in flight, still reads a pack by runs of about 1 MiB, not
+    a request per top-up; the last run goes once nothing else is in flight."""
+    from verneuil_fuse.format import chunk_source
+    from verneuil_fuse.reader import flights
+
+    monkeypatch.setattr(flights, "RUN_WAIT", 60.0)  # however slow the machine: every top-up in time
+    pub = publish(local_store, os.urandom(65536 * 40), "/db/topups.db", packed=4 << 20)
+    m = pub.manifest
+    fps = list(m.chunks[1:])
+    sources = [chunk_source(m, i) for i in range(1, len(m.chunks))]
+    f = Fetcher(local_store, None)
+
+    async def go():
+        for k in range(0, len(fps), 2):  # no checkpoint between: no answer taken meanwhile
+            f.prefetch(fps[k:k + 2], sources=sources[k:k + 2])
+        bufs = [bytearray(65536) for _ in fps]
+        await f.read_into(fps, [memoryview(b) for b in bufs], sources)
+        return bufs
+
+    assert [bytes(b) for b in run(f, go)] == [pub.chunks[fp] for fp in fps]
+    assert f.stats["store_fetches"] == len(fps) and f.stats["gets"] == 4, f.stats["gets"]  # 2 chunks, then runs of 15, 15 and 7

@@ -1,10 +1,22 @@
 /*
- * The reader's chunk path in C (see chunk_engine.h): one thread runs
- * libcurl's multi loop over a fixed pool of requests, and finishes each
- * answer where it lands: zstd-decodes the chunk (one frame, at most 64 KiB,
- * any bytes after it ignored; or the raw bytes), checks its full 128-bit
- * fingerprint, and writes it with its index record into the disk cache's
- * segment (the record format of verneuil_fuse/reader/cache.py).
+ * The reader's chunk path in C (see chunk_engine.h).  Requests come in two
+ * kinds and end the same way:
+ *
+ * - an HTTP GET runs on the engine's thread, in libcurl's multi loop; its
+ *   answer is checked there (a 2xx, the asked range, no more bytes than
+ *   asked) and finished there;
+ * - a file read (a directory store) runs on one of `workers` threads: open
+ *   (no symlink, a regular file only), pread of the object or its range;
+ *   blocking reads in parallel keep a disk's queue busy and decode on every
+ *   core, with no Python per chunk.
+ *
+ * Finishing a request: each part's blob is zstd-decoded (one frame, at most
+ * 64 KiB, any bytes after it ignored; or the raw bytes), checked against
+ * its full 128-bit fingerprint, and written with its index record into the
+ * disk cache's segment (the record format of verneuil_fuse/reader/cache.py)
+ * and/or kept in the part's memory for the caller.  A blob the bytes read
+ * do not reach is VN_CE_SHORT: every part is verified or an error, never
+ * wrong bytes.
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include "chunk_engine.h"
@@ -12,12 +24,16 @@
 
 #include <assert.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -25,8 +41,10 @@
 #include <zlib.h>
 #include <zstd.h>
 
-static_assert(sizeof(int64_t) == sizeof(off_t), "pwrite offsets are 64-bit");
+static_assert(sizeof(int64_t) == sizeof(off_t), "pread and pwrite offsets are 64-bit");
 static_assert(CURL_ERROR_SIZE <= VN_CE_ERROR_MAX, "libcurl's messages fit");
+static_assert(VN_CE_BLOB_MAX >= VN_CE_CHUNK_SIZE, "a raw chunk is a valid blob");
+static_assert(VN_CE_PACK_MAX <= UINT32_MAX, "a part's place in the bytes read fits 32 bits");
 
 /*
  * The loop's longest sleep: libcurl's own timers (request timeouts) and a
@@ -42,6 +60,18 @@ static_assert(CURL_ERROR_SIZE <= VN_CE_ERROR_MAX, "libcurl's messages fit");
 #define RECORD_BYTES 32
 /* XORed into the record's CRC-32, so that zeros left by a crash never pass. */
 #define RECORD_SALT 0x56434331u
+/*
+ * A store's file, opened as LocalBackend opens it: a symlink planted under
+ * a key is refused (ELOOP), and a FIFO never blocks the open (then refused
+ * as not a regular file); O_NONBLOCK changes nothing for a regular file.
+ */
+#define OPEN_FLAGS (O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
+/* A range as libcurl takes it, "a-b": two offsets of 20 digits at most. */
+#define RANGE_TEXT 48
+static_assert(RANGE_TEXT >= 20 + 1 + 20 + 1, "two 64-bit offsets, a dash and a NUL fit");
+/* The HTTP status of a range answered, and of one past the object's end. */
+#define HTTP_PARTIAL 206
+#define HTTP_RANGE_NOT_SATISFIABLE 416
 
 static const unsigned char zstd_magic[4] = { 0x28, 0xb5, 0x2f, 0xfd };
 
@@ -54,6 +84,13 @@ struct auth {
 	long idle_s;
 };
 
+/* What finishing a request needs of its thread's own. */
+struct finisher {
+	ZSTD_DCtx *dctx;
+	unsigned char *scratch; /* a part's decoded bytes, when not kept */
+};
+
+/* A request's HTTP handle, and what its answer said so far. */
 struct slot {
 	struct vn_ce_engine *engine;
 	struct vn_ce_request *req;
@@ -61,15 +98,29 @@ struct slot {
 	struct auth *applied; /* what the handle was last set up with */
 	int stale;            /* setting `applied` up failed: again next time */
 	int too_large;
+	int enough;           /* a 200 for a range: stopped at the range's end */
+	int64_t seen;         /* bytes of a 200's body so far */
+	int64_t first, last;  /* its Content-Range, -1: none */
+	char range[RANGE_TEXT];
+};
+
+struct worker {
+	struct vn_ce_engine *engine;
+	pthread_t thread;
+	int started;
+	struct finisher fin;
 };
 
 struct vn_ce_engine {
 	int nslots;
+	int max_parts;
 	size_t max_body;
 	struct vn_ce_request *reqs;
+	struct vn_ce_part *parts;
+	unsigned char *chunks;
 	struct slot *slots;
 	struct vn_umash_params params;
-	ZSTD_DCtx *dctx;
+	struct finisher fin; /* the HTTP thread's */
 	CURLM *multi;
 	/*
 	 * libcurl's socket interface: it says which sockets to watch for what
@@ -83,13 +134,18 @@ struct vn_ce_engine {
 	int notify_fd;
 	pthread_t thread;
 	int started;
+	int nworkers;
+	struct worker *workers;
 
 	pthread_mutex_t lock; /* guards what follows */
+	pthread_cond_t work;  /* a file read queued, or stop */
 	int stop;
 	int closed;
 	struct auth *auth;
-	int *queue; /* submitted, not yet started */
+	int *queue; /* GETs submitted, not yet started */
 	int nqueue;
+	int *jobs; /* file reads submitted, not yet started: a ring */
+	int jobs_head, njobs;
 	int *done; /* ended, not yet taken */
 	int ndone;
 };
@@ -171,22 +227,288 @@ int vn_ce_set_auth(struct vn_ce_engine *e, const char *headers, const char *sigv
 	return 0;
 }
 
-/* ---------------------------------------------------------- a request */
+/* ------------------------------------------- decode, verify, cache write */
+
+static int matches(const struct vn_ce_engine *e, const struct vn_ce_part *p,
+    const void *data, size_t len)
+{
+	struct vn_umash_fp fp = vn_umash_fprint(&e->params, 0, data, len);
+
+	return fp.hash[0] == p->fp[0] && fp.hash[1] == p->fp[1];
+}
+
+/*
+ * Part `p`'s blob `blob[0..n)`, decoded and verified: VN_CE_CHUNK, its
+ * bytes at `*out` (in `p->chunk` if kept), or VN_CE_MISMATCH.
+ */
+static int decode(struct finisher *f, const struct vn_ce_engine *e, struct vn_ce_part *p,
+    const unsigned char *blob, size_t n, const unsigned char **out)
+{
+	unsigned char *dest = p->keep ? p->chunk : f->scratch;
+
+	if (n >= sizeof(zstd_magic) && memcmp(blob, zstd_magic, sizeof(zstd_magic)) == 0) {
+		size_t frame = ZSTD_findFrameCompressedSize(blob, n);
+
+		if (!ZSTD_isError(frame)) {
+			/* At most a chunk's size: a longer frame fails here. */
+			size_t len = ZSTD_decompressDCtx(f->dctx, dest, VN_CE_CHUNK_SIZE, blob, frame);
+
+			if (!ZSTD_isError(len) && matches(e, p, dest, len)) {
+				p->length = (uint32_t)len;
+				*out = dest;
+				return VN_CE_CHUNK;
+			}
+		}
+	}
+	if (n <= VN_CE_CHUNK_SIZE && matches(e, p, blob, n)) {
+		if (p->keep)
+			memcpy(p->chunk, blob, n);
+		p->length = (uint32_t)n;
+		*out = blob;
+		return VN_CE_CHUNK;
+	}
+	return VN_CE_MISMATCH;
+}
+
+static void put_le64(unsigned char *p, uint64_t v)
+{
+	for (int i = 0; i < 8; i++)
+		p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static void put_le32(unsigned char *p, uint32_t v)
+{
+	for (int i = 0; i < 4; i++)
+		p[i] = (unsigned char)(v >> (8 * i));
+}
+
+/* The chunk `data` into its place in the cache, then its index record. */
+static void write_to_cache(struct vn_ce_part *p, const unsigned char *data)
+{
+	unsigned char record[RECORD_BYTES];
+	size_t done = 0;
+	ssize_t n;
+
+	while (done < p->length) {
+		n = pwrite(p->data_fd, data + done, p->length - done, p->offset + (off_t)done);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0) {
+			p->write_errno = n < 0 ? errno : EIO;
+			return;
+		}
+		done += (size_t)n;
+	}
+	put_le64(record, p->fp[0]);
+	put_le64(record + 8, p->fp[1]);
+	put_le64(record + 16, (uint64_t)p->offset);
+	put_le32(record + 24, p->length);
+	put_le32(record + 28, (uint32_t)crc32(0L, record, 28) ^ RECORD_SALT);
+	do
+		n = write(p->idx_fd, record, sizeof(record));
+	while (n < 0 && errno == EINTR);
+	if (n != (ssize_t)sizeof(record))
+		p->write_errno = n < 0 ? errno : EIO;
+}
+
+/* The request ended without its bytes: every part ends as it did. */
+static void fail(struct vn_ce_request *r, int result)
+{
+	r->result = result;
+	for (int i = 0; i < r->nparts; i++)
+		r->parts[i].result = result;
+}
+
+/* The bytes are in `body`: every part decoded, verified, written, kept. */
+static void finish_parts(struct finisher *f, const struct vn_ce_engine *e, struct vn_ce_request *r)
+{
+	int mismatch = 0, short_ = 0;
+
+	for (int i = 0; i < r->nparts; i++) {
+		struct vn_ce_part *p = &r->parts[i];
+		uint32_t hi = p->hi != 0 ? p->hi : r->body_len;
+		const unsigned char *bytes = NULL;
+
+		if (hi > r->body_len) {
+			p->result = VN_CE_SHORT;
+			short_++;
+			continue;
+		}
+		p->result = decode(f, e, p, r->body + p->lo, hi - p->lo, &bytes);
+		if (p->result != VN_CE_CHUNK)
+			mismatch++;
+		else if (p->data_fd >= 0 && p->length > 0)
+			write_to_cache(p, bytes);
+	}
+	r->result = mismatch ? VN_CE_MISMATCH : short_ ? VN_CE_SHORT : VN_CE_CHUNK;
+}
+
+static void reset_outcome(struct vn_ce_request *r)
+{
+	r->result = VN_CE_TRANSPORT;
+	r->status = 0;
+	r->curl_code = 0;
+	r->sys_errno = 0;
+	r->body_len = 0;
+	r->declared = -1;
+	r->error[0] = '\0';
+	for (int i = 0; i < r->nparts; i++) {
+		r->parts[i].result = VN_CE_TRANSPORT;
+		r->parts[i].write_errno = 0;
+		r->parts[i].length = 0;
+	}
+}
+
+/* ----------------------------------------------------------- a file read */
+
+/* Up to `want` bytes at `at`: how many (fewer only at the file's end), or -1. */
+static ssize_t read_at(int fd, unsigned char *buf, size_t want, off_t at)
+{
+	size_t done = 0;
+
+	while (done < want) {
+		ssize_t n = pread(fd, buf + done, want - done, at + (off_t)done);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0)
+			return -1;
+		if (n == 0)
+			break;
+		done += (size_t)n;
+	}
+	return (ssize_t)done;
+}
+
+/* The file cannot be read: `err`, and what is wrong with it (NULL: `err` says it). */
+static void file_error(struct vn_ce_request *r, int err, const char *what)
+{
+	r->sys_errno = err;
+	snprintf(r->error, sizeof(r->error), "%s", what != NULL ? what : "");
+	fail(r, VN_CE_FILE);
+}
+
+/*
+ * The object's bytes from open file `fd` into `body`: 0, or -1 with the
+ * request failed.  A whole object over VN_CE_BLOB_MAX is too large, even if
+ * it grew since fstat: one byte past the bound is looked for.
+ */
+static int read_body(struct vn_ce_request *r, int fd, const struct stat *st)
+{
+	size_t want = r->end < 0 ? VN_CE_BLOB_MAX : (size_t)(r->end - r->start);
+	unsigned char past;
+	ssize_t n;
+
+	if (r->end < 0 && st->st_size > VN_CE_BLOB_MAX) {
+		r->declared = st->st_size;
+		fail(r, VN_CE_TOO_LARGE);
+		return -1;
+	}
+	n = read_at(fd, r->body, want, (off_t)r->start);
+	if (n < 0) {
+		file_error(r, errno, NULL);
+		return -1;
+	}
+	if (r->end < 0 && (size_t)n == want && read_at(fd, &past, 1, (off_t)want) == 1) {
+		fail(r, VN_CE_TOO_LARGE);
+		return -1;
+	}
+	r->body_len = (uint32_t)n;
+	return 0;
+}
+
+/* A file read, start to end, on a worker's thread. */
+static void read_file(struct finisher *f, const struct vn_ce_engine *e, struct vn_ce_request *r)
+{
+	struct stat st;
+	int fd;
+
+	reset_outcome(r);
+	fd = open(r->url, OPEN_FLAGS);
+	if (fd < 0) {
+		file_error(r, errno, NULL);
+		return;
+	}
+	if (fstat(fd, &st) != 0)
+		file_error(r, errno, NULL);
+	else if (S_ISDIR(st.st_mode))
+		file_error(r, EISDIR, "is a directory, not a blob");
+	else if (!S_ISREG(st.st_mode))
+		file_error(r, EINVAL, "not a regular file, not a blob");
+	else if (read_body(r, fd, &st) == 0)
+		finish_parts(f, e, r);
+	close(fd);
+}
+
+/* ---------------------------------------------------------- an HTTP GET */
+
+/*
+ * libcurl's CURLOPT_HEADERFUNCTION: the answer's Content-Range ("bytes
+ * a-b/total"); a new status line (an interim answer's end) forgets it.
+ */
+static size_t on_header(char *line, size_t size, size_t nmemb, void *arg)
+{
+	static const char name[] = "content-range:";
+	struct slot *s = arg;
+	size_t n = size * nmemb;
+	char text[RANGE_TEXT * 2];
+	int64_t first, last;
+
+	if (n >= 5 && memcmp(line, "HTTP/", 5) == 0)
+		s->first = s->last = -1;
+	if (n <= sizeof(name) - 1 || n >= sizeof(text) || strncasecmp(line, name, sizeof(name) - 1) != 0)
+		return n;
+	memcpy(text, line + sizeof(name) - 1, n - (sizeof(name) - 1));
+	text[n - (sizeof(name) - 1)] = '\0';
+	if (sscanf(text, " bytes %" SCNd64 "-%" SCNd64, &first, &last) == 2 && first >= 0 && last >= first) {
+		s->first = first;
+		s->last = last;
+	}
+	return n;
+}
+
+/*
+ * A 2xx answer other than 206 to a range request (a server that ignores
+ * Range sends the whole object): only bytes [start, end) of it are kept,
+ * and the transfer stops at `end`.
+ */
+static size_t take_range(struct slot *s, const char *data, size_t n)
+{
+	struct vn_ce_request *r = s->req;
+	int64_t at = s->seen, lo = at > r->start ? at : r->start;
+	int64_t hi = at + (int64_t)n < r->end ? at + (int64_t)n : r->end;
+
+	s->seen += (int64_t)n;
+	if (hi > lo) {
+		memcpy(r->body + (lo - r->start), data + (lo - at), (size_t)(hi - lo));
+		r->body_len = (uint32_t)(hi - r->start);
+	}
+	if (s->seen >= r->end) {
+		s->enough = 1;
+		return 0; /* ends the transfer: the rest is not read */
+	}
+	return n;
+}
 
 static size_t on_body(char *data, size_t size, size_t nmemb, void *arg)
 {
 	struct slot *s = arg;
 	struct vn_ce_request *r = s->req;
-	size_t n = size * nmemb, room = s->engine->max_body - r->body_len;
+	size_t n = size * nmemb, room;
 	long status = 0;
 
-	if (n > room) {
-		curl_easy_getinfo(s->easy, CURLINFO_RESPONSE_CODE, &status);
-		if (status / 100 == 2) {
+	curl_easy_getinfo(s->easy, CURLINFO_RESPONSE_CODE, &status);
+	if (status / 100 != 2) {
+		room = s->engine->max_body - r->body_len;
+		n = n < room ? n : room; /* an error's body: its start is enough */
+	} else if (r->end >= 0 && status != HTTP_PARTIAL) {
+		return take_range(s, data, n);
+	} else {
+		room = (r->end >= 0 ? (size_t)(r->end - r->start) : VN_CE_BLOB_MAX) - r->body_len;
+		if (n > room) {
 			s->too_large = 1;
 			return 0; /* ends the transfer */
 		}
-		n = room; /* an error's body: its start is enough */
 	}
 	memcpy(r->body + r->body_len, data, n);
 	r->body_len += (uint32_t)n;
@@ -196,6 +518,7 @@ static size_t on_body(char *data, size_t size, size_t nmemb, void *arg)
 static int set_up(struct slot *s, struct auth *a)
 {
 	CURL *h = s->easy;
+	struct vn_ce_request *r = s->req;
 	int rc = CURLE_OK;
 
 	if (s->applied != a || s->stale) {
@@ -216,99 +539,34 @@ static int set_up(struct slot *s, struct auth *a)
 		rc |= curl_easy_setopt(h, CURLOPT_LOW_SPEED_TIME, a->idle_s);
 		s->stale = rc != CURLE_OK;
 	}
-	rc |= curl_easy_setopt(h, CURLOPT_URL, s->req->url);
-	rc |= curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)s->req->timeout_ms);
+	if (r->end >= 0)
+		snprintf(s->range, sizeof(s->range), "%" PRId64 "-%" PRId64, r->start, r->end - 1);
+	rc |= curl_easy_setopt(h, CURLOPT_RANGE, r->end >= 0 ? s->range : NULL);
+	rc |= curl_easy_setopt(h, CURLOPT_URL, r->url);
+	rc |= curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)r->timeout_ms);
 	return rc == CURLE_OK ? 0 : -1;
 }
 
-static void reset_outcome(struct vn_ce_request *r)
+/*
+ * A 2xx answer holds what was asked: for a range, a 206's Content-Range
+ * starts at `start`, ends by `end` and spans the body exactly (a shorter
+ * one: the object ends sooner); anything else was cut to the range by
+ * `take_range`.  A whole object's GET takes any 2xx.
+ */
+static int range_matches(const struct slot *s, long status)
 {
-	r->result = VN_CE_TRANSPORT;
-	r->status = 0;
-	r->curl_code = 0;
-	r->write_errno = 0;
-	r->body_len = 0;
-	r->length = 0;
-	r->declared = -1;
-	r->error[0] = '\0';
+	const struct vn_ce_request *r = s->req;
+
+	if (r->end < 0 || status != HTTP_PARTIAL)
+		return 1;
+	return s->first == r->start && s->last < r->end && s->last - s->first + 1 == (int64_t)r->body_len;
 }
 
-static int matches(const struct vn_ce_engine *e, const struct vn_ce_request *r,
-    const void *data, size_t len)
-{
-	struct vn_umash_fp fp = vn_umash_fprint(&e->params, 0, data, len);
-
-	return fp.hash[0] == r->fp[0] && fp.hash[1] == r->fp[1];
-}
-
-/* The chunk's verified bytes into `out`: VN_CE_CHUNK, or VN_CE_MISMATCH. */
-static int decode(struct vn_ce_engine *e, struct vn_ce_request *r)
-{
-	size_t n = r->body_len;
-
-	if (n >= sizeof(zstd_magic) && memcmp(r->body, zstd_magic, sizeof(zstd_magic)) == 0) {
-		size_t frame = ZSTD_findFrameCompressedSize(r->body, n);
-
-		if (!ZSTD_isError(frame)) {
-			/* At most a chunk's size: a longer frame fails here. */
-			size_t len = ZSTD_decompressDCtx(e->dctx, r->chunk, VN_CE_CHUNK_SIZE, r->body, frame);
-
-			if (!ZSTD_isError(len) && matches(e, r, r->chunk, len)) {
-				r->length = (uint32_t)len;
-				return VN_CE_CHUNK;
-			}
-		}
-	}
-	if (n <= VN_CE_CHUNK_SIZE && matches(e, r, r->body, n)) {
-		memcpy(r->chunk, r->body, n);
-		r->length = (uint32_t)n;
-		return VN_CE_CHUNK;
-	}
-	return VN_CE_MISMATCH;
-}
-
-static void put_le64(unsigned char *p, uint64_t v)
-{
-	for (int i = 0; i < 8; i++)
-		p[i] = (unsigned char)(v >> (8 * i));
-}
-
-static void put_le32(unsigned char *p, uint32_t v)
-{
-	for (int i = 0; i < 4; i++)
-		p[i] = (unsigned char)(v >> (8 * i));
-}
-
-/* The chunk into its place in the cache, then its index record. */
-static void write_to_cache(struct vn_ce_request *r)
-{
-	unsigned char record[RECORD_BYTES];
-	size_t done = 0;
-	ssize_t n;
-
-	while (done < r->length) {
-		n = pwrite(r->data_fd, r->chunk + done, r->length - done, r->offset + (off_t)done);
-		if (n < 0 && errno == EINTR)
-			continue;
-		if (n <= 0) {
-			r->write_errno = n < 0 ? errno : EIO;
-			return;
-		}
-		done += (size_t)n;
-	}
-	put_le64(record, r->fp[0]);
-	put_le64(record + 8, r->fp[1]);
-	put_le64(record + 16, (uint64_t)r->offset);
-	put_le32(record + 24, r->length);
-	put_le32(record + 28, (uint32_t)crc32(0L, record, 28) ^ RECORD_SALT);
-	do
-		n = write(r->idx_fd, record, sizeof(record));
-	while (n < 0 && errno == EINTR);
-	if (n != (ssize_t)sizeof(record))
-		r->write_errno = n < 0 ? errno : EIO;
-}
-
-static void finish(struct vn_ce_engine *e, struct slot *s, CURLcode code)
+/*
+ * A GET's answer checked: 1 when its bytes are in for its parts to be
+ * finished (`finish_parts`), else 0 with the request failed.
+ */
+static int check_answer(struct slot *s, CURLcode code)
 {
 	struct vn_ce_request *r = s->req;
 	long status = 0;
@@ -317,41 +575,57 @@ static void finish(struct vn_ce_engine *e, struct slot *s, CURLcode code)
 	curl_easy_getinfo(s->easy, CURLINFO_RESPONSE_CODE, &status);
 	r->status = (int32_t)status;
 	if (s->too_large) {
-		r->result = VN_CE_TOO_LARGE;
 		if (curl_easy_getinfo(s->easy, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &declared) == CURLE_OK)
 			r->declared = declared;
-	} else if (code != CURLE_OK) {
-		r->result = VN_CE_TRANSPORT;
+		fail(r, VN_CE_TOO_LARGE);
+	} else if (code != CURLE_OK && !s->enough) {
 		r->curl_code = (int32_t)code;
 		if (r->error[0] == '\0')
 			snprintf(r->error, sizeof(r->error), "%s", curl_easy_strerror(code));
+		fail(r, VN_CE_TRANSPORT);
+	} else if (status == HTTP_RANGE_NOT_SATISFIABLE && r->end >= 0) {
+		r->body_len = 0; /* the object ends before the range starts */
+		fail(r, VN_CE_SHORT);
 	} else if (status / 100 != 2) {
-		r->result = VN_CE_HTTP;
+		fail(r, VN_CE_HTTP);
+	} else if (!range_matches(s, status)) {
+		if (s->first < 0)
+			snprintf(r->error, sizeof(r->error), "asked bytes %" PRId64 "-%" PRId64 ", got a 206 "
+			    "without Content-Range", r->start, r->end - 1);
+		else
+			snprintf(r->error, sizeof(r->error), "asked bytes %" PRId64 "-%" PRId64 ", got %" PRId64
+			    "-%" PRId64 " (%" PRIu32 " bytes)", r->start, r->end - 1, s->first, s->last, r->body_len);
+		fail(r, VN_CE_RANGE);
 	} else {
-		r->result = decode(e, r);
-		if (r->result == VN_CE_CHUNK && r->data_fd >= 0 && r->length > 0)
-			write_to_cache(r);
+		return 1;
 	}
+	return 0;
 }
 
-/* ------------------------------------------------------------ the loop */
+/* ------------------------------------------------------ handing back */
 
 static void hand_back(struct vn_ce_engine *e, const int *ended, int n)
 {
 	uint64_t one = 1;
 	ssize_t w;
+	int was_empty;
 
 	if (n == 0)
 		return;
 	pthread_mutex_lock(&e->lock);
+	was_empty = e->ndone == 0;
 	memcpy(e->done + e->ndone, ended, (size_t)n * sizeof(*ended));
 	e->ndone += n;
 	pthread_mutex_unlock(&e->lock);
+	if (!was_empty)
+		return; /* the caller was told, and takes them all at once */
 	do
 		w = write(e->notify_fd, &one, sizeof(one));
 	while (w < 0 && errno == EINTR);
 	/* EAGAIN: the counter is full, the caller is woken anyway. */
 }
+
+/* ------------------------------------------------------------ the loop */
 
 /*
  * Take what was submitted since the last turn into `started`, with a
@@ -386,11 +660,14 @@ static int start_requests(struct vn_ce_engine *e, const int *started, int n, str
 		struct slot *s = &e->slots[started[i]];
 
 		reset_outcome(s->req);
-		s->too_large = 0;
+		s->too_large = s->enough = 0;
+		s->seen = 0;
+		s->first = s->last = -1;
 		if (a == NULL || set_up(s, a) != 0 || curl_multi_add_handle(e->multi, s->easy) != CURLM_OK) {
 			snprintf(s->req->error, sizeof(s->req->error), "%s",
 			    a == NULL ? "no credentials set" : "cannot set the request up");
 			s->req->curl_code = CURLE_FAILED_INIT;
+			fail(s->req, VN_CE_TRANSPORT);
 			ended[nended++] = started[i];
 			continue;
 		}
@@ -399,7 +676,19 @@ static int start_requests(struct vn_ce_engine *e, const int *started, int n, str
 	return nended;
 }
 
-/* Finish the transfers libcurl ended, appending them to `ended`. */
+/* A file read, or a GET's answer to finish, for a worker. */
+static void queue_job(struct vn_ce_engine *e, int i)
+{
+	pthread_mutex_lock(&e->lock);
+	e->jobs[(e->jobs_head + e->njobs++) % e->nslots] = i;
+	pthread_mutex_unlock(&e->lock);
+	pthread_cond_signal(&e->work);
+}
+
+/*
+ * The transfers libcurl ended: finished here, appended to `ended`, or,
+ * with workers, handed to them to finish (decoding on every core).
+ */
 static int collect_ended(struct vn_ce_engine *e, char *active, int *ended, int nended)
 {
 	CURLMsg *msg;
@@ -407,19 +696,27 @@ static int collect_ended(struct vn_ce_engine *e, char *active, int *ended, int n
 
 	while ((msg = curl_multi_info_read(e->multi, &left)) != NULL) {
 		struct slot *s;
+		int i;
 
 		if (msg->msg != CURLMSG_DONE)
 			continue;
 		curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **)&s);
 		curl_multi_remove_handle(e->multi, s->easy);
-		finish(e, s, msg->data.result);
-		active[s - e->slots] = 0;
-		ended[nended++] = (int)(s - e->slots);
+		i = (int)(s - e->slots);
+		active[i] = 0;
+		if (!check_answer(s, msg->data.result)) {
+			ended[nended++] = i;
+		} else if (e->nworkers > 0) {
+			queue_job(e, i);
+		} else {
+			finish_parts(&e->fin, e, s->req);
+			ended[nended++] = i;
+		}
 	}
 	return nended;
 }
 
-/* Closed: what is in flight or queued ends now, unanswered. */
+/* Closed: the GETs in flight or queued end now, unanswered. */
 static void abort_all(struct vn_ce_engine *e, const char *active, int *ended)
 {
 	int nended = 0;
@@ -428,12 +725,12 @@ static void abort_all(struct vn_ce_engine *e, const char *active, int *ended)
 		if (!active[i])
 			continue;
 		curl_multi_remove_handle(e->multi, e->slots[i].easy);
-		e->reqs[i].result = VN_CE_SHUTDOWN;
+		fail(&e->reqs[i], VN_CE_SHUTDOWN);
 		ended[nended++] = i;
 	}
 	pthread_mutex_lock(&e->lock);
 	for (int i = 0; i < e->nqueue; i++) {
-		e->reqs[e->queue[i]].result = VN_CE_SHUTDOWN;
+		fail(&e->reqs[e->queue[i]], VN_CE_SHUTDOWN);
 		ended[nended++] = e->queue[i];
 	}
 	e->nqueue = 0;
@@ -522,7 +819,7 @@ static void wake(struct vn_ce_engine *e)
 	}
 }
 
-/* The engine's thread: a turn starts, moves and finishes transfers. */
+/* The engine's HTTP thread: a turn starts, moves and finishes transfers. */
 static void *run(void *arg)
 {
 	struct vn_ce_engine *e = arg;
@@ -556,7 +853,79 @@ static void *run(void *arg)
 	return NULL;
 }
 
+/* ----------------------------------------------------------- the workers */
+
+/* The next job (`e->lock` held), or -1 for none. */
+static int pop_job(struct vn_ce_engine *e)
+{
+	int i;
+
+	if (e->njobs == 0)
+		return -1;
+	i = e->jobs[e->jobs_head];
+	e->jobs_head = (e->jobs_head + 1) % e->nslots;
+	e->njobs--;
+	return i;
+}
+
+/*
+ * A worker's thread, until the engine stops: file reads, and the GETs'
+ * answers to finish, one at a time.
+ */
+static void *work(void *arg)
+{
+	struct worker *w = arg;
+	struct vn_ce_engine *e = w->engine;
+
+	for (;;) {
+		int i;
+
+		pthread_mutex_lock(&e->lock);
+		while (!e->stop && e->njobs == 0)
+			pthread_cond_wait(&e->work, &e->lock);
+		i = e->stop ? -1 : pop_job(e);
+		pthread_mutex_unlock(&e->lock);
+		if (i < 0)
+			break;
+		if (e->reqs[i].kind == VN_CE_GET)
+			finish_parts(&w->fin, e, &e->reqs[i]); /* its answer is in */
+		else
+			read_file(&w->fin, e, &e->reqs[i]);
+		hand_back(e, &i, 1);
+	}
+	return NULL;
+}
+
+/* Closed, the threads joined: the jobs still queued end now. */
+static void abort_jobs(struct vn_ce_engine *e)
+{
+	for (;;) {
+		int i;
+
+		pthread_mutex_lock(&e->lock);
+		i = pop_job(e);
+		pthread_mutex_unlock(&e->lock);
+		if (i < 0)
+			return;
+		fail(&e->reqs[i], VN_CE_SHUTDOWN);
+		hand_back(e, &i, 1);
+	}
+}
+
 /* ----------------------------------------------------------- the caller */
+
+static int init_finisher(struct finisher *f)
+{
+	f->dctx = ZSTD_createDCtx();
+	f->scratch = malloc(VN_CE_CHUNK_SIZE);
+	return f->dctx != NULL && f->scratch != NULL ? 0 : -1;
+}
+
+static void free_finisher(struct finisher *f)
+{
+	ZSTD_freeDCtx(f->dctx);
+	free(f->scratch);
+}
 
 /* The multi handle's socket interface, and the eventfd that wakes its loop. */
 static int init_loop(struct vn_ce_engine *e)
@@ -579,24 +948,30 @@ static int init_loop(struct vn_ce_engine *e)
 	return rc == CURLM_OK ? 0 : -1;
 }
 
-/* Request `i`'s buffers and easy handle, set up for what never changes. */
+/* Request `i`'s buffers, parts and easy handle, set up for what never changes. */
 static int init_slot(struct vn_ce_engine *e, int i)
 {
 	struct slot *s = &e->slots[i];
 	struct vn_ce_request *r = &e->reqs[i];
 	int rc = CURLE_OK;
 
-	r->data_fd = r->idx_fd = -1;
+	r->parts = &e->parts[(size_t)i * (size_t)e->max_parts];
+	for (int k = 0; k < e->max_parts; k++) {
+		r->parts[k].data_fd = r->parts[k].idx_fd = -1;
+		r->parts[k].chunk = e->chunks + ((size_t)i * (size_t)e->max_parts + (size_t)k) * VN_CE_CHUNK_SIZE;
+	}
+	r->end = -1;
 	r->body = malloc(e->max_body);
-	r->chunk = malloc(VN_CE_CHUNK_SIZE);
 	s->engine = e;
 	s->req = r;
 	s->easy = curl_easy_init();
-	if (r->body == NULL || r->chunk == NULL || s->easy == NULL)
+	if (r->body == NULL || s->easy == NULL)
 		return -1;
 	rc |= curl_easy_setopt(s->easy, CURLOPT_PRIVATE, (char *)s);
 	rc |= curl_easy_setopt(s->easy, CURLOPT_WRITEFUNCTION, on_body);
 	rc |= curl_easy_setopt(s->easy, CURLOPT_WRITEDATA, s);
+	rc |= curl_easy_setopt(s->easy, CURLOPT_HEADERFUNCTION, on_header);
+	rc |= curl_easy_setopt(s->easy, CURLOPT_HEADERDATA, s);
 	rc |= curl_easy_setopt(s->easy, CURLOPT_ERRORBUFFER, r->error);
 	rc |= curl_easy_setopt(s->easy, CURLOPT_NOSIGNAL, 1L);
 	rc |= curl_easy_setopt(s->easy, CURLOPT_TCP_NODELAY, 1L);
@@ -605,14 +980,70 @@ static int init_slot(struct vn_ce_engine *e, int i)
 	return rc == CURLE_OK ? 0 : -1;
 }
 
-int vn_ce_open(int nslots, size_t max_body, const void *chunk_key, int notify_fd,
-    struct vn_ce_engine **out)
+/* The engine's memory, its HTTP loop and each request: 0, or -1. */
+static int init_engine(struct vn_ce_engine *e)
+{
+	size_t nparts = (size_t)e->nslots * (size_t)e->max_parts;
+
+	pthread_mutex_init(&e->lock, NULL);
+	pthread_cond_init(&e->work, NULL);
+	e->reqs = calloc((size_t)e->nslots, sizeof(*e->reqs));
+	e->slots = calloc((size_t)e->nslots, sizeof(*e->slots));
+	e->parts = calloc(nparts, sizeof(*e->parts));
+	/* Pages are taken as parts are kept: untouched, they cost nothing. */
+	e->chunks = malloc(nparts * VN_CE_CHUNK_SIZE);
+	e->queue = calloc((size_t)e->nslots, sizeof(int));
+	e->jobs = calloc((size_t)e->nslots, sizeof(int));
+	e->done = calloc((size_t)e->nslots, sizeof(int));
+	e->workers = calloc((size_t)e->nworkers + 1, sizeof(*e->workers));
+	e->multi = curl_multi_init();
+	if (e->reqs == NULL || e->slots == NULL || e->parts == NULL || e->chunks == NULL || e->queue == NULL ||
+	    e->jobs == NULL || e->done == NULL || e->workers == NULL || e->multi == NULL ||
+	    init_finisher(&e->fin) != 0 || init_loop(e) != 0)
+		return -1;
+	for (int i = 0; i < e->nslots; i++)
+		if (init_slot(e, i) != 0)
+			return -1;
+	for (int i = 0; i < e->nworkers; i++) {
+		e->workers[i].engine = e;
+		if (init_finisher(&e->workers[i].fin) != 0)
+			return -1;
+	}
+	return 0;
+}
+
+/* The HTTP thread, then the workers: 0, or an errno value. */
+static int start_threads(struct vn_ce_engine *e)
+{
+	char name[16];
+	int err = pthread_create(&e->thread, NULL, run, e);
+
+	if (err != 0)
+		return err;
+	e->started = 1;
+	pthread_setname_np(e->thread, "chunk-engine"); /* for top -H, py-spy */
+	for (int i = 0; i < e->nworkers; i++) {
+		struct worker *w = &e->workers[i];
+
+		err = pthread_create(&w->thread, NULL, work, w);
+		if (err != 0)
+			return err;
+		w->started = 1;
+		snprintf(name, sizeof(name), "chunk-read-%d", i);
+		pthread_setname_np(w->thread, name);
+	}
+	return 0;
+}
+
+int vn_ce_open(int nslots, size_t max_body, int max_parts, int workers, const void *chunk_key,
+    int notify_fd, struct vn_ce_engine **out)
 {
 	struct vn_ce_engine *e;
 	int err;
 
 	*out = NULL;
-	if (nslots <= 0 || max_body < VN_CE_CHUNK_SIZE || max_body > UINT32_MAX)
+	if (nslots <= 0 || max_body < VN_CE_BLOB_MAX || max_body > VN_CE_PACK_MAX || max_parts <= 0 ||
+	    max_parts > VN_CE_PARTS_MAX || workers < 0 || workers > VN_CE_WORKERS_MAX)
 		return EINVAL;
 	pthread_once(&global_once, global_init);
 	if (global_status != CURLE_OK)
@@ -622,34 +1053,22 @@ int vn_ce_open(int nslots, size_t max_body, const void *chunk_key, int notify_fd
 		return ENOMEM;
 	e->nslots = nslots;
 	e->max_body = max_body;
+	e->max_parts = max_parts;
+	e->nworkers = workers;
 	e->notify_fd = notify_fd;
 	e->epoll_fd = e->wake_fd = -1;
-	pthread_mutex_init(&e->lock, NULL);
 	vn_umash_params_derive(&e->params, 0, chunk_key);
-	e->reqs = calloc((size_t)nslots, sizeof(*e->reqs));
-	e->slots = calloc((size_t)nslots, sizeof(*e->slots));
-	e->queue = calloc((size_t)nslots, sizeof(int));
-	e->done = calloc((size_t)nslots, sizeof(int));
-	e->dctx = ZSTD_createDCtx();
-	e->multi = curl_multi_init();
-	if (e->reqs == NULL || e->slots == NULL || e->queue == NULL || e->done == NULL ||
-	    e->dctx == NULL || e->multi == NULL || init_loop(e) != 0)
-		goto nomem;
-	for (int i = 0; i < nslots; i++)
-		if (init_slot(e, i) != 0)
-			goto nomem;
-	err = pthread_create(&e->thread, NULL, run, e);
+	if (init_engine(e) != 0) {
+		vn_ce_free(e);
+		return ENOMEM;
+	}
+	err = start_threads(e);
 	if (err != 0) {
 		vn_ce_free(e);
 		return err;
 	}
-	e->started = 1;
-	pthread_setname_np(e->thread, "chunk-engine"); /* for top -H, py-spy */
 	*out = e;
 	return 0;
-nomem:
-	vn_ce_free(e);
-	return ENOMEM;
 }
 
 struct vn_ce_request *vn_ce_request(struct vn_ce_engine *e, int i)
@@ -657,20 +1076,52 @@ struct vn_ce_request *vn_ce_request(struct vn_ce_engine *e, int i)
 	return i >= 0 && i < e->nslots ? &e->reqs[i] : NULL;
 }
 
+/* A request the engine takes: its kind, path, range and parts. */
+static int well_formed(const struct vn_ce_engine *e, const struct vn_ce_request *r)
+{
+	const struct vn_ce_part *p = r->parts;
+	int64_t len = r->end - r->start;
+
+	if ((r->kind != VN_CE_GET && !(r->kind == VN_CE_READ && e->nworkers > 0)) ||
+	    r->nparts < 1 || r->nparts > e->max_parts || memchr(r->url, '\0', sizeof(r->url)) == NULL ||
+	    r->parts != e->parts + (r - e->reqs) * e->max_parts)
+		return 0;
+	if (r->end < 0)
+		return r->end == -1 && r->start == 0 && r->nparts == 1 && p->lo == 0 && p->hi == 0;
+	if (r->start < 0 || len <= 0 || r->end > VN_CE_PACK_MAX || (size_t)len > e->max_body)
+		return 0;
+	for (int i = 0; i < r->nparts; i++)
+		if (p[i].lo >= p[i].hi || p[i].hi > (uint64_t)len)
+			return 0;
+	return 1;
+}
+
 int vn_ce_submit(struct vn_ce_engine *e, const int *indices, int n)
 {
-	pthread_mutex_lock(&e->lock);
-	if (e->stop || e->nqueue + n > e->nslots) {
-		int err = e->stop ? ESHUTDOWN : EBUSY;
+	int err = 0, gets = 0, reads = 0;
 
-		pthread_mutex_unlock(&e->lock);
-		return err;
+	for (int i = 0; i < n; i++)
+		if (indices[i] < 0 || indices[i] >= e->nslots || !well_formed(e, &e->reqs[indices[i]]))
+			return EINVAL;
+	pthread_mutex_lock(&e->lock);
+	if (e->stop || e->nqueue + e->njobs + n > e->nslots)
+		err = e->stop ? ESHUTDOWN : EBUSY;
+	for (int i = 0; err == 0 && i < n; i++) {
+		if (e->reqs[indices[i]].kind == VN_CE_GET) {
+			e->queue[e->nqueue++] = indices[i];
+			gets++;
+		} else {
+			e->jobs[(e->jobs_head + e->njobs++) % e->nslots] = indices[i];
+			reads++;
+		}
 	}
-	memcpy(e->queue + e->nqueue, indices, (size_t)n * sizeof(*indices));
-	e->nqueue += n;
 	pthread_mutex_unlock(&e->lock);
-	wake(e);
-	return 0;
+	if (gets > 0)
+		wake(e);
+	/* A worker per read, at most every one: none woken for nothing. */
+	for (int i = 0; i < reads && i < e->nworkers; i++)
+		pthread_cond_signal(&e->work);
+	return err;
 }
 
 int vn_ce_take(struct vn_ce_engine *e, int *out, int cap)
@@ -692,13 +1143,21 @@ void vn_ce_close(struct vn_ce_engine *e)
 
 	pthread_mutex_lock(&e->lock);
 	e->stop = 1;
-	join = e->started && !e->closed;
+	join = !e->closed;
 	e->closed = 1;
 	pthread_mutex_unlock(&e->lock);
-	if (join) {
+	if (!join)
+		return;
+	pthread_cond_broadcast(&e->work);
+	if (e->started) {
 		wake(e);
 		pthread_join(e->thread, NULL);
 	}
+	for (int i = 0; e->workers != NULL && i < e->nworkers; i++)
+		if (e->workers[i].started)
+			pthread_join(e->workers[i].thread, NULL);
+	if (e->jobs != NULL)
+		abort_jobs(e);
 }
 
 void vn_ce_free(struct vn_ce_engine *e)
@@ -713,22 +1172,27 @@ void vn_ce_free(struct vn_ce_engine *e)
 			curl_easy_cleanup(s->easy);
 		auth_release(e, s->applied);
 	}
-	for (int i = 0; e->reqs != NULL && i < e->nslots; i++) {
+	for (int i = 0; e->reqs != NULL && i < e->nslots; i++)
 		free(e->reqs[i].body);
-		free(e->reqs[i].chunk);
-	}
+	for (int i = 0; e->workers != NULL && i < e->nworkers; i++)
+		free_finisher(&e->workers[i].fin);
+	free_finisher(&e->fin);
 	auth_release(e, e->auth);
 	if (e->multi != NULL)
 		curl_multi_cleanup(e->multi);
-	ZSTD_freeDCtx(e->dctx);
 	if (e->epoll_fd >= 0)
 		close(e->epoll_fd);
 	if (e->wake_fd >= 0)
 		close(e->wake_fd);
+	pthread_cond_destroy(&e->work);
 	pthread_mutex_destroy(&e->lock);
 	free(e->reqs);
 	free(e->slots);
+	free(e->parts);
+	free(e->chunks);
 	free(e->queue);
+	free(e->jobs);
 	free(e->done);
+	free(e->workers);
 	free(e);
 }

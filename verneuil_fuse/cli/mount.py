@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from verneuil_fuse.cli.mount_options import DEFAULT_READ_AHEAD_KB, S3_ONLY_OPTIONS, Options, parse_args
+from verneuil_fuse.cli.mount_options import (DEFAULT_CACHE_SIZE, DEFAULT_READ_AHEAD_KB, S3_ONLY_OPTIONS, Options,
+                                             parse_args)
 from verneuil_fuse.errors import EXIT_INTERRUPTED, EXIT_MOUNT, EXIT_SOURCE, EXIT_USAGE, UserError
 from verneuil_fuse.logs import formatter
 from verneuil_fuse.reader.fetcher import DEFAULT_CONCURRENCY
@@ -321,15 +322,30 @@ async def serve(opts: Options, store, ready) -> None:
         _tear_down(opts, layers)
 
 
-def _open_disk_cache(opts: Options) -> ChunkCache | None:
-    """The chunk cache in cache_dir, or None with cache_size=0."""
+def _default_cache_size(opts: Options, store) -> int:
+    """The disk cache's bound when ``cache_size`` is not given: none for a
+    directory store on this machine's own disks, unless ``cache_dir`` or
+    ``hydrate`` asks for one (its chunk files are read at the disk's speed
+    already, and a cache would write every byte twice: docs/READER.md, "The
+    disk cache"), else `DEFAULT_CACHE_SIZE`."""
+    files = store.chunks.capabilities().files
+    if opts.cache_dir is None and not opts.hydrate and files is not None and files.on_local_disk():
+        log.info("no disk cache: the directory store is on a local disk (cache_size= or cache_dir= for one)")
+        return 0
+    return DEFAULT_CACHE_SIZE
+
+
+def _open_disk_cache(opts: Options, store) -> ChunkCache | None:
+    """The chunk cache in cache_dir, or None with cache_size=0 (or by
+    default, `_default_cache_size`)."""
     from verneuil_fuse.reader.cache import ChunkCache, default_cache_dir
 
-    if opts.cache_size <= 0:
+    size = opts.cache_size if opts.cache_size is not None else _default_cache_size(opts, store)
+    if size <= 0:
         return None
     cache_dir = opts.cache_dir or default_cache_dir()
     try:
-        return ChunkCache(cache_dir, opts.cache_size)
+        return ChunkCache(cache_dir, size)
     except OSError as e:
         raise UserError("cannot use cache_dir %s: %s" % (cache_dir, e.strerror or e), EXIT_USAGE) from None
 
@@ -353,7 +369,7 @@ def _build_layers(opts: Options, store) -> _Layers:
     from verneuil_fuse.reader.follow import Followers
     from verneuil_fuse.reader.watch import Watch
 
-    cache = _open_disk_cache(opts)
+    cache = _open_disk_cache(opts, store)
     fetcher = Fetcher(
         store,
         cache,

@@ -254,16 +254,20 @@ MOUNT_OPTIONS: tuple[MountOption, ...] = (
             "disk cache of verified chunks, keyed by fingerprint, shared by every database and by every mount "
             "naming it, kept across remounts (see [The disk cache](#the-disk-cache))",
             shown="%s as root, else ~/.cache/verneuil" % DEFAULT_CACHE_DIR),
-    _option("cache_size", "SIZE", _cache_size, DEFAULT_CACHE_SIZE,
+    _option("cache_size", "SIZE", _cache_size, None,
             "bound of the disk cache this mount keeps (mounts sharing a cache_dir each add theirs), e.g. 2G, "
-            "512M; 0 = no disk cache, else at least 16M; it also leaves 5% of its file system free (at most 1G)",
+            "512M; 0 = no disk cache, else at least 16M; it also leaves 5% of its file system free (at most 1G); "
+            "none by default for a directory store on a local disk unless cache_dir= or hydrate is given (its "
+            "chunk files are read at the disk's speed already)",
             "bound kept by this mount, not by the directory (`0`: none; each mount evicts when it starts a "
             "segment, counting what it sees of the others' segments, but the segments the others are writing "
             "and what they wrote since its last rescan come on top: N mounts sharing one `cache_dir` with "
             "`16M` each may hold up to about N × 16 MiB there, 30-45 MiB measured for 2-3 mounts); else at "
             "least `16M`: the bound is kept by evicting whole segments, 16 of at least 1 MiB; 5 % of the file "
-            "system, at most 1 GiB, is always left free: the disk bounds a larger `cache_size`)",
-            shown=shown_size(DEFAULT_CACHE_SIZE)),
+            "system, at most 1 GiB, is always left free: the disk bounds a larger `cache_size`); none by default "
+            "for a directory store on a local disk unless `cache_dir=` or `hydrate` is given ([Directory stores]"
+            "(#directory-stores-on-a-local-disk-no-disk-cache-by-default))",
+            shown="%s; none for a directory store on a local disk" % shown_size(DEFAULT_CACHE_SIZE)),
     _option("mem_cache", "SIZE", parse_size, DEFAULT_MEM_CACHE_BYTES,
             "in-process cache of hot chunks", "in-process LRU of hot chunks",
             shown=shown_size(DEFAULT_MEM_CACHE_BYTES)),
@@ -293,9 +297,10 @@ MOUNT_OPTIONS: tuple[MountOption, ...] = (
             "largest B-tree prefetch window, in chunks (0: no B-tree prefetch)"),
     _option("concurrency", "N", _concurrency, None,
             "parallel GETs to the store, 1-%d" % MAX_CONCURRENCY,
-            "GETs in flight, 1 to %d (each holds a connection and a request of the chunk engine; on a "
-            "directory store, a thread)" % MAX_CONCURRENCY,
-            shown="%d on S3, %d on a directory store, whose reads take a thread each"
+            "chunks fetched at once, 1 to %d (each holds a place in a request of the chunk engine, and on S3 a "
+            "connection per request; a directory store's files are read by the engine's worker threads; a "
+            "pack's adjacent chunks share one request)" % MAX_CONCURRENCY,
+            shown="%d on S3, %d on a directory store"
             % (DEFAULT_CONCURRENCY, DEFAULT_THREAD_CONCURRENCY)),
     _option("prefetch_concurrency", "N", _concurrency, None,
             "of which prefetches may use at most N", shown="3/4 of concurrency"),

@@ -1,16 +1,27 @@
-"""The reader's chunk path in C (csrc/chunk_engine.c): chunk GETs many in
-flight on a thread of its own, each answer decoded, verified against its
-fingerprint and written into its place in the disk cache there, none of it
-holding Python's GIL; trio gets the answers in batches.
+"""The reader's chunk path in C (csrc/chunk_engine.c): requests of chunks
+many in flight, each request's bytes split into chunk blobs, each blob
+decoded, verified against its own fingerprint and written into its place in
+the disk cache, none of it holding Python's GIL; trio gets the answers in
+batches.
 
-`ChunkEngine` owns a fixed pool of requests (as many as GETs may be in
-flight). `start` sends GETs, each with a token of the caller's: the chunk's
-URL, its fingerprint, where its bytes go in the disk cache
-(`CacheSlot.target`) and its time limit; the URL's signing is set once for
-all (`set_auth`: the headers, and libcurl's own SigV4 with the credentials
-the store's boto3 client holds). `answers` waits in trio (the engine's
-eventfd) for the next batch of `(token, Outcome)`. `close` stops the
-engine's thread, then frees it: after it nothing writes to the cache.
+A request (`Read`) reads one object, or bytes [start, end) of one (a run of
+adjacent blobs of a pack, `format.Run`), in one of two ways: an HTTP GET on
+the engine's thread (libcurl; a Range header for a range), or a read of a
+local file (a directory store: pread on the engine's worker threads,
+``workers`` of them). Its `Part`s are its chunks: where each blob lies in
+the bytes read, its fingerprint, where its verified bytes go in the disk
+cache (`CacheSlot.target`) and whether they come back in memory (``keep``).
+
+`ChunkEngine` owns a fixed pool of requests. `submit` starts `Read`s (one
+request each; `start` is the one-chunk GET of a chunk object); the GETs'
+signing is set once for all (`set_auth`: the headers, and libcurl's own
+SigV4 with the credentials the store's boto3 client holds). `answers`
+waits in trio (the engine's eventfd) for the next batch of ``(token,
+Outcome)``, one per part. `close` stops the engine's threads, then frees
+it: after it nothing writes to the cache.
+
+A `format.Run` of a packed store becomes one `Read`, or a few when it
+holds more chunks than a request takes (`run_reads`).
 
 Chunks only: every other request of the store (manifests, listings, PUTs)
 goes through the store's own engine (store/curl.py) or boto3.
@@ -20,49 +31,114 @@ from __future__ import annotations
 import errno
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import trio
 
-from verneuil_fuse.format import CHUNK_KEY, CHUNK_SIZE, Fprint
+from verneuil_fuse.format import (CHUNK_KEY, CHUNK_SIZE, MAX_CHUNK_BLOB_BYTES, MAX_PACK_BYTES, ChunkError,
+                                  Fprint, Run)
 from verneuil_fuse.reader._chunk_engine import ffi, lib
 from verneuil_fuse.store.curl import BodyTooLarge, Response, transport_error
 
 # The UMASH key's length (csrc/umash.h): the chunk key, zero-padded.
 _KEY_BYTES = 32
 assert lib.VN_CE_CHUNK_SIZE == CHUNK_SIZE
+assert lib.VN_CE_BLOB_MAX == MAX_CHUNK_BLOB_BYTES
+assert lib.VN_CE_PACK_MAX == MAX_PACK_BYTES
+
+# Worker threads for a directory store's reads: with 2 cores, 4 keep the
+# disk busy while two of them decode (scripts/bench_chunk_engine.py, 384 MiB
+# cold, one chunk file a request: 2.2-3.0 s with 1 worker, 1.2-1.35 s with
+# 2, 0.8-1.0 s with 4, 0.8 s with 8).
+READ_WORKERS = 4
+
+
+class Part(NamedTuple):
+    """One chunk of a `Read`: ``token`` (the caller's, handed back with its
+    `Outcome`), its fingerprint, its blob's place in the bytes read, [lo,
+    hi) (a whole object: 0, None), where its verified bytes go in the disk
+    cache (``(data fd, index fd, offset)`` or None) and whether they come
+    back in `Outcome.data` (``keep``)."""
+
+    token: Any
+    fp: Fprint
+    lo: int = 0
+    hi: int | None = None
+    target: tuple[int, int, int] | None = None
+    keep: bool = True
+
+
+class Read(NamedTuple):
+    """One request: bytes [start, end) of the object at ``where`` (``end``
+    None: all of it, a chunk object, at most MAX_CHUNK_BLOB_BYTES), an HTTP
+    URL, or the path of a local file when ``file`` (no symlink, a regular
+    file only); ``timeout`` bounds a GET (not a file read)."""
+
+    where: str
+    parts: Sequence[Part]
+    start: int = 0
+    end: int | None = None
+    timeout: float = 30.0
+    file: bool = False
+
+
+def run_reads(run: Run, where: str, part: Callable[[int], Part], max_parts: int, timeout: float = 30.0,
+              file: bool = False) -> list[Read]:
+    """The `Read`s of `format.Run` ``run`` of the object at ``where``: one,
+    or one per ``max_parts`` chunks of it (a run of many small blobs).
+    ``part(index)`` gives chunk ``index``'s `Part` (its ``lo`` and ``hi``
+    are set here)."""
+    if run.end is None:  # a chunk object of its own
+        ((index, _, _),) = run.parts
+        return [Read(where, (part(index)._replace(lo=0, hi=None),), timeout=timeout, file=file)]
+    reads = []
+    for at in range(0, len(run.parts), max_parts):
+        group = run.parts[at:at + max_parts]
+        base = group[0][1]
+        parts = tuple(part(index)._replace(lo=lo - base, hi=hi - base) for index, lo, hi in group)
+        reads.append(Read(where, parts, run.start + base, run.start + group[-1][2], timeout, file))
+    return reads
 
 
 @dataclass(slots=True)
 class Outcome:
-    """How one GET ended: the chunk's verified bytes (``data``), or what
-    went wrong (``failure``: the store's non-2xx answer as a `Response`, or
-    an OSError for no answer; ``mismatch``: a body that is not the chunk)."""
+    """How one chunk of a request ended: its verified bytes (``verified``;
+    in ``data`` if kept), or what went wrong (``failure``: the store's
+    non-2xx answer as a `Response`; an OSError for no answer, a file that
+    cannot be read (its errno), or `BodyTooLarge`; a `format.ChunkError`
+    for bytes that are not those asked, a Content-Range of other bytes or
+    an object that ends before the blob does; ``mismatch``: a blob that is
+    not the chunk)."""
 
     data: bytes | None = None
-    size: int = 0  # the body's bytes
+    size: int = 0  # the blob's bytes
     written: bool = False  # the bytes and their index record are in the cache target
     write_errno: int = 0  # why not, when a target was given
-    failure: Response | OSError | None = None
+    failure: Response | OSError | ChunkError | None = None
     mismatch: bool = False
+    verified: bool = False
 
 
 class ChunkEngine:
-    """A pool of ``slots`` chunk GETs in C (see the module's docstring);
-    bodies over ``max_body`` bytes are refused (`BodyTooLarge`)."""
+    """A pool of ``slots`` requests in C of up to ``max_parts`` chunks each
+    (see the module's docstring), with ``workers`` threads for file reads
+    (0: GETs only); a request reads up to ``max_body`` bytes (a range's
+    length; a chunk object is bounded by MAX_CHUNK_BLOB_BYTES)."""
 
-    def __init__(self, slots: int, max_body: int):
+    def __init__(self, slots: int, max_body: int, *, max_parts: int = 1, workers: int = 0):
         self.max_body = max_body
+        self.max_parts = max_parts
+        self.workers = workers
         self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         box = ffi.new("struct vn_ce_engine **")
-        err = lib.vn_ce_open(slots, max_body, CHUNK_KEY.ljust(_KEY_BYTES, b"\0"), self._fd, box)
+        err = lib.vn_ce_open(slots, max_body, max_parts, workers, CHUNK_KEY.ljust(_KEY_BYTES, b"\0"), self._fd, box)
         if err:
             os.close(self._fd)
             raise OSError(err, "cannot start the chunk engine: %s" % os.strerror(err))
         self._engine = box[0]
         self._requests = [lib.vn_ce_request(self._engine, i) for i in range(slots)]
         self._free = list(range(slots))
-        self._tokens: list[Any] = [None] * slots
+        self._tokens: list[list[Any] | None] = [None] * slots
         self._taken = ffi.new("int[]", slots)
         self._auth: tuple | None = None
 
@@ -90,34 +166,58 @@ class ChunkEngine:
         self._auth = auth
 
     def start(self, gets: Iterable[tuple[Any, str, Fprint, tuple[int, int, int] | None, float]]) -> None:
-        """Start GETs, each ``(token, url, fingerprint, target, timeout)``:
-        ``target`` the disk cache's ``(data fd, index fd, offset)`` or None.
-        There must be a free request for each (`free`)."""
-        indices = []
-        requests, tokens = self._requests, self._tokens
+        """Start GETs of chunk objects, each ``(token, url, fingerprint,
+        target, timeout)``: ``target`` the disk cache's ``(data fd, index
+        fd, offset)`` or None; the chunk's bytes come back. There must be a
+        free request for each (`free`)."""
+        self.submit(Read(url, (Part(token, fp, 0, None, target),), timeout=timeout)
+                    for token, url, fp, target, timeout in gets)
+
+    def submit(self, reads: Iterable[Read]) -> None:
+        """Start requests, one per `Read`: there must be a free request for
+        each (`free`). ValueError for one the engine cannot take (nothing
+        is started then)."""
+        indices: list[int] = []
         try:
-            for token, url, fp, target, timeout in gets:
-                raw = url.encode()
-                if len(raw) >= lib.VN_CE_URL_MAX:
-                    raise ValueError("URL longer than %d bytes: %s..." % (lib.VN_CE_URL_MAX - 1, url[:80]))
+            for read in reads:
                 i = self._free.pop()
                 indices.append(i)
-                r = requests[i]
-                r.url = raw
-                r.fp[0], r.fp[1] = fp
-                if target is None:
-                    r.data_fd = -1
-                else:
-                    r.data_fd, r.idx_fd, r.offset = target
-                r.timeout_ms = max(1, int(timeout * 1000))
-                tokens[i] = token
+                self._fill(self._requests[i], read)
+                self._tokens[i] = [part.token for part in read.parts]
             err = lib.vn_ce_submit(self._engine, indices, len(indices)) if indices else 0
         except BaseException:
             self._give_back(indices)
             raise
         if err:
             self._give_back(indices)
+            if err == errno.EINVAL:
+                raise ValueError("the chunk engine takes no such request (parts, range or path)")
             raise OSError(err, "the chunk engine takes no request: %s" % os.strerror(err))
+
+    def _fill(self, r: Any, read: Read) -> None:
+        """Request ``r`` set up for ``read``."""
+        raw = read.where.encode()
+        if len(raw) >= lib.VN_CE_URL_MAX:
+            raise ValueError("URL longer than %d bytes: %s..." % (lib.VN_CE_URL_MAX - 1, read.where[:80]))
+        if not 0 < len(read.parts) <= self.max_parts:
+            raise ValueError("%d parts for a request of at most %d" % (len(read.parts), self.max_parts))
+        r.kind = lib.VN_CE_READ if read.file else lib.VN_CE_GET
+        r.url = raw
+        r.start = read.start
+        r.end = -1 if read.end is None else read.end
+        r.nparts = len(read.parts)
+        r.timeout_ms = max(1, int(read.timeout * 1000))
+        parts = r.parts
+        for k, part in enumerate(read.parts):
+            p = parts[k]
+            p.fp[0], p.fp[1] = part.fp
+            p.lo = part.lo
+            p.hi = 0 if part.hi is None else part.hi
+            if part.target is None:
+                p.data_fd = -1
+            else:
+                p.data_fd, p.idx_fd, p.offset = part.target
+            p.keep = part.keep
 
     def _give_back(self, indices: list[int]) -> None:
         for i in indices:
@@ -125,42 +225,73 @@ class ChunkEngine:
         self._free.extend(indices)
 
     async def answers(self) -> list[tuple[Any, Outcome]]:
-        """The next batch of ended GETs, waiting for one in trio."""
+        """The outcomes of the next batch of ended requests, one per part,
+        waiting for one in trio."""
         while True:
             n = lib.vn_ce_take(self._engine, self._taken, len(self._requests))
             if n:
-                return [self._ended(self._taken[k]) for k in range(n)]
+                out: list[tuple[Any, Outcome]] = []
+                for k in range(n):
+                    self._ended(self._taken[k], out)
+                return out
             await trio.lowlevel.wait_readable(self._fd)
             try:
                 os.eventfd_read(self._fd)
             except BlockingIOError:
                 pass
 
-    def _ended(self, i: int) -> tuple[Any, Outcome]:
+    def _ended(self, i: int, out: list[tuple[Any, Outcome]]) -> None:
         r = self._requests[i]
-        token, self._tokens[i] = self._tokens[i], None
+        tokens, self._tokens[i] = self._tokens[i], None
         self._free.append(i)
-        result = r.result
+        assert tokens is not None
+        failure = None if r.result in (lib.VN_CE_CHUNK, lib.VN_CE_MISMATCH, lib.VN_CE_SHORT) else self._failure(r)
+        for k, token in enumerate(tokens):
+            out.append((token, self._part_outcome(r, r.parts[k], failure)))
+
+    def _part_outcome(self, r: Any, p: Any, failure: Any) -> Outcome:
+        """One part's `Outcome`; ``failure``: the whole request's."""
+        result = p.result
+        size = (p.hi - p.lo) if p.hi else r.body_len
         if result == lib.VN_CE_CHUNK:
-            return token, Outcome(data=ffi.buffer(r.chunk, r.length)[:], size=r.body_len,
-                                  written=r.data_fd >= 0 and not r.write_errno, write_errno=r.write_errno)
-        if result == lib.VN_CE_HTTP:
-            return token, Outcome(failure=Response(r.status, ffi.buffer(r.body, r.body_len)[:]))
+            return Outcome(data=ffi.buffer(p.chunk, p.length)[:] if p.keep else None, size=size, verified=True,
+                           written=p.data_fd >= 0 and not p.write_errno, write_errno=p.write_errno)
         if result == lib.VN_CE_MISMATCH:
-            return token, Outcome(size=r.body_len, mismatch=True)
+            return Outcome(size=size, mismatch=True)
+        if result == lib.VN_CE_SHORT:
+            where = ffi.string(r.url).decode("utf-8", "replace")
+            return Outcome(failure=ChunkError(
+                "%s holds %d bytes from %d, not the %d to %d of chunk %s: the pack was cut or replaced"
+                % (where, r.body_len, r.start, p.lo, p.hi, Fprint(p.fp[0], p.fp[1]).name)))
+        return Outcome(failure=failure)
+
+    def _failure(self, r: Any) -> Response | OSError | ChunkError:
+        """What a request that ended without its bytes failed with."""
+        result = r.result
+        message = ffi.string(r.error).decode("utf-8", "replace")
+        if result == lib.VN_CE_HTTP:
+            return Response(r.status, ffi.buffer(r.body, r.body_len)[:])
         if result == lib.VN_CE_TOO_LARGE:
-            return token, Outcome(failure=BodyTooLarge(self.max_body, r.declared if r.declared >= 0 else None))
+            bound = MAX_CHUNK_BLOB_BYTES if r.end < 0 else r.end - r.start
+            return BodyTooLarge(bound, r.declared if r.declared >= 0 else None)
         if result == lib.VN_CE_SHUTDOWN:
-            return token, Outcome(failure=OSError(errno.ESHUTDOWN, "the chunk engine is closed"))
-        return token, Outcome(failure=transport_error(r.curl_code, ffi.string(r.error).decode("utf-8", "replace")))
+            return OSError(errno.ESHUTDOWN, "the chunk engine is closed")
+        if result == lib.VN_CE_FILE:
+            return OSError(r.sys_errno, message or os.strerror(r.sys_errno), ffi.string(r.url).decode())
+        if result == lib.VN_CE_RANGE:
+            return ChunkError("%s answered other bytes than asked: %s"
+                              % (ffi.string(r.url).decode("utf-8", "replace"), message))
+        return transport_error(r.curl_code, message)
 
     def in_flight(self) -> list[Any]:
-        """The tokens of the GETs started and not yet handed back."""
-        return [t for t in self._tokens if t is not None]
+        """The tokens of the parts of requests started and not yet handed
+        back."""
+        return [t for tokens in self._tokens if tokens is not None for t in tokens]
 
     def close(self) -> None:
-        """Stop the engine's thread (GETs under way end unanswered, their
-        tokens are `in_flight` still) and free it; idempotent."""
+        """Stop the engine's threads (GETs under way end unanswered, their
+        tokens are `in_flight` still; a file read under way ends first)
+        and free it; idempotent."""
         if self._engine is None:
             return
         engine, self._engine = self._engine, None

@@ -27,20 +27,20 @@ prefetch slots, so demand reads always find store capacity; a demand read
 that joins a prefetch still waiting for its slot promotes it at once.
 
 Two ways a flight runs. On a store whose backend gives its chunks' URLs
-and signing (S3's `direct_gets`) a GET costs the trio thread no task and no
-Event: `flights.EnginePath` queues flights for their slots, starts them on
-the chunk engine in C (`chunk_engine.ChunkEngine`) many per submission,
-which decodes, verifies and writes them to the disk cache on its own
-thread, outside the GIL, and hands their answers back in batches (one
+and signing (S3's `direct_gets`) or their files' paths (a directory
+store's `direct_files`) a read costs the trio thread no task and no Event:
+`flights.EnginePath` queues flights for their slots, starts them on the
+chunk engine in C (`chunk_engine.ChunkEngine`) many per submission, which
+reads, decodes, verifies and writes them to the disk cache on its own
+threads, outside the GIL, and hands their answers back in batches (one
 wake-up of trio per batch) to `engine_answered`; a read request waits for
-all its chunks on one Event (`_Waiter`). Anything else runs in a task
-(`_fly`): a chunk the disk cache may hold, a directory store's GETs in
-threads, hydration, the retries of a GET that failed on the engine, and a
-chunk of a packed store (docs/FORMAT.md, "Packed layout"), whose flight
-carries its `ChunkSource` (a byte range of a pack, given by the replica)
-and is read by `store.read_chunk` with a range GET, verified and cached
-like any chunk (one range GET per chunk: runs of adjacent chunks in one GET
-are for the engine path to do).
+all its chunks on one Event (`_Waiter`). A chunk of a packed store
+(docs/FORMAT.md, "Packed layout") carries its `ChunkSource` (a byte range
+of a pack, given by the replica): the flights of adjacent blobs started
+together go as one range request. Anything else runs in a task (`_fly`):
+a chunk the disk cache may hold, hydration, the retries of a read that
+failed on the engine (a pack's chunk: one range read in a thread), and
+every read of a backend that gives neither.
 
 `Fetcher` is the read path (memory, disk cache, flights joined or started,
 prefetch) and its settings and stats; each of its other jobs is a part of
@@ -77,8 +77,9 @@ log = logging.getLogger(__name__)
 # bounds it: 256 scanned at 371-383 MB/s and 0.21-0.22 ms of CPU per GET at
 # 1 GiB against 220-261 MB/s and 0.24-0.32 ms with 128 (docs/BENCHMARKS.md).
 DEFAULT_CONCURRENCY = 256
-# ... and on a store whose reads run in worker threads (a directory store),
-# one thread each: 128 measured the same as 64 there.
+# ... and on a store whose reads run in worker threads (a directory store:
+# the chunk engine's, or one each where there is no engine path): 128
+# measured the same as 64 there.
 DEFAULT_THREAD_CONCURRENCY = 128
 # Disk cache reads that may block (not in the page cache) and writes at
 # once: enough to keep a local disk's queue busy on 2 cores.
@@ -225,7 +226,8 @@ class Fetcher(ManifestSource, StoreGets, FlightRuns, Landing, FetcherHydration):
         self._writing = False
         # Chunk GETs on the chunk engine, many per submission, where the
         # backend gives their URLs (`flights.EnginePath`).
-        self._engine = EnginePath(self, self.capabilities.direct, self.io_limiter.total_tokens)
+        self._engine = EnginePath(self, self.capabilities.direct, self.io_limiter.total_tokens,
+                                  self.capabilities.files)
 
     # ------------------------------------------------------------------ setup
     def bind(self, nursery: trio.Nursery, writes: trio.Nursery | None = None) -> None:

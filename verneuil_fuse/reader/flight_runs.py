@@ -34,9 +34,9 @@ class FlightRuns:
         """Start the flight of one chunk; ``slot``: its place in the disk
         cache, taken here unless given; ``source``: where the chunk is in a
         packed store (None: its own chunk object). A GET the chunk engine can
-        make (a whole chunk object) is queued for `EnginePath.pump` (the
-        caller calls it once its flights are started); anything else runs in
-        a task (`_fly`): a range of a pack too, read by `read_chunk`."""
+        make is queued for `EnginePath.pump` (the caller calls it once its
+        flights are started; a pack's adjacent chunks go as one range read);
+        anything else runs in a task (`_fly`)."""
         if self._nursery is None:
             raise RuntimeError("Fetcher.bind(nursery) was not called")
         # The chunk's place in the disk cache is taken now, in the order
@@ -50,8 +50,7 @@ class FlightRuns:
         self._inflight[fp] = flight
         if prefetch:
             self._prefetch_flights += 1
-        ranged = source is not None and source.ranged
-        if hydrate or ranged or not self._engine.available or (cache is not None and cache.might_have(fp)):
+        if hydrate or not self._engine.available or (cache is not None and cache.might_have(fp)):
             self._nursery.start_soon(self._fly, flight, hydrate)
         else:
             self._engine.queue(flight)

@@ -1,4 +1,4 @@
-"""Chunk flights, and the engine path that sends their GETs to the reader's
+"""Chunk flights, and the engine path that sends their reads to the reader's
 chunk path in C in batches.
 
 A `Flight` is one chunk's fetch, shared by every read of it: the fetcher
@@ -6,13 +6,18 @@ A `Flight` is one chunk's fetch, shared by every read of it: the fetcher
 decides what its outcome means (bytes kept and handed to its readers, a
 retry in a task, a failure).
 
-`EnginePath` carries the flights whose GET goes to the chunk engine
-(`chunk_engine.ChunkEngine`, on a store whose backend gives its URLs and
-signing: S3's `direct_gets`) without a task or an Event per chunk:
+`EnginePath` carries the flights whose read goes to the chunk engine
+(`chunk_engine.ChunkEngine`) without a task or an Event per chunk, on a
+store whose backend gives its URLs and signing (S3's `direct_gets`: GETs
+on the engine's thread) or its files' paths (a directory store's
+`direct_files`: reads on the engine's `READ_WORKERS` threads):
 
 - flights queue for a GET slot (demand first, then prefetches, in the order
   they started, each also waiting for a prefetch slot), and `pump` starts
-  all those the slots let go now in one submission;
+  all those the slots let go now in one submission; the flights of a packed
+  store's chunks whose blobs are adjacent in one pack (what readahead and
+  B-tree prefetch ask for together) go as one request, a range of up to
+  `format.MAX_RUN_BYTES` and `RUN_PARTS` chunks (`_reads`);
 - on the engine's thread, in C, each answer is decoded, its full
   fingerprint checked, and the chunk written into its place in the disk
   cache (the flight's `CacheSlot`);
@@ -29,21 +34,23 @@ signing: S3's `direct_gets`) without a task or an Event per chunk:
   with it, retried as any failed GET, and the path stays: it serves again
   as soon as the credentials are back.
 
-`get_one` is the same path for one GET a task waits for (a retry), without
-a cache write: the task's own writer stores the bytes.
+`get_one` is the same path for one GET a task waits for (a retry of a
+chunk object), without a cache write: the task's own writer stores the
+bytes.
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import trio
 
-from verneuil_fuse.format import MAX_CHUNK_BLOB_BYTES, ChunkSource, Fprint, chunk_mismatch
+from verneuil_fuse.format import (MAX_CHUNK_BLOB_BYTES, MAX_RUN_BYTES, ChunkError, ChunkSource, Fprint,
+                                  chunk_mismatch)
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache
-from verneuil_fuse.reader.chunk_engine import ChunkEngine, Outcome
-from verneuil_fuse.store import DirectReads, StoreError
+from verneuil_fuse.reader.chunk_engine import READ_WORKERS, ChunkEngine, Outcome, Part, Read
+from verneuil_fuse.store import DirectFiles, DirectReads, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,16 @@ MIN_ATTEMPT_TIMEOUT = 0.5
 # abandoned at its deadline keeps its request until the engine ends it (its
 # own time limit), and these keep the batches going meanwhile.
 SPARE_REQUESTS = 16
+# Chunks of one request at most (a run of a pack): 2 MiB of chunks, past
+# the 16 that 1 MiB of blobs (`format.MAX_RUN_BYTES`) usually holds, so a
+# run of well-compressed chunks still goes in one or two requests; each
+# request's memory in the engine is MAX_RUN_BYTES and RUN_PARTS x 64 KiB,
+# taken only as used.
+RUN_PARTS = 32
+# Longest wait of a prefetch of a pack's chunk for the readahead's next
+# chunks to join its run (`EnginePath._hold_back`): a scan's read requests,
+# each topping the readahead window up, come a few ms apart.
+RUN_WAIT = 0.02
 
 # Where a flight is (`Flight.state`).
 QUEUED = "queued"  # waiting for a GET slot, to go to the chunk engine (`EnginePath.pump`)
@@ -69,7 +86,7 @@ class Flight:
     (`FlightRuns._finish`). Its ``state`` is written in this module only."""
 
     __slots__ = ("fp", "state", "data", "error", "prefetch", "promoted", "slot", "waiters", "wait_scope",
-                 "deadline", "holds_prefetch_slot", "source")
+                 "deadline", "holds_prefetch_slot", "source", "queued_at")
 
     def __init__(self, fp: Fprint, prefetch: bool, slot: CacheSlot | None = None,
                  source: ChunkSource | None = None):
@@ -85,6 +102,7 @@ class Flight:
         self.wait_scope: trio.CancelScope | None = None  # a task's wait for a prefetch slot
         self.deadline = 0.0  # trio time; set when the deadline starts
         self.holds_prefetch_slot = False  # on the engine path
+        self.queued_at = 0.0  # trio time it queued for the engine (`EnginePath._hold_back`)
 
     def to_task(self) -> None:
         """A trio task runs it from now on (`FlightRuns._fly`)."""
@@ -133,6 +151,18 @@ class FlightOwner(Protocol):
         task."""
 
 
+class _Route(NamedTuple):
+    """How the engine reaches the store's objects: ``where(key)`` is an
+    object's URL, or its file's path when ``file``."""
+
+    where: Callable[[str], str]
+    file: bool
+
+
+def _key(flight: Flight) -> str:
+    return flight.source.key if flight.source is not None else flight.fp.name
+
+
 class _OneGet:
     """`EnginePath.get_one`'s wait for its answer."""
 
@@ -146,14 +176,17 @@ class _OneGet:
 class EnginePath:
     """The flights queued for, or on, the chunk engine (see the module's
     docstring). ``backend``: the chunks backend's direct reads, whose
-    `direct_gets` gives the URLs and signing (None: no engine path);
-    ``requests``: the engine's GETs in flight at most (the fetcher's GET
-    slots)."""
+    `direct_gets` gives the URLs and signing, or else ``files``, a
+    directory's, whose `direct_files` gives the files' paths (neither: no
+    engine path); ``requests``: the engine's requests in flight at most
+    (the fetcher's GET slots)."""
 
-    def __init__(self, owner: FlightOwner, backend: DirectReads | None, requests: int):
+    def __init__(self, owner: FlightOwner, backend: DirectReads | None, requests: int,
+                 files: DirectFiles | None = None):
         self._owner = owner
-        self._backend = backend
-        self._off = backend is None  # no engine path (or turned off)
+        self._files = backend is None and files is not None  # a directory store's files
+        self._backend: Any = backend if backend is not None else files
+        self._off = self._backend is None  # no engine path (or turned off)
         self._requests = requests + SPARE_REQUESTS
         self._engine: ChunkEngine | None = None  # made at the first GET, ended with the nursery
         self.queued_demand: deque[Flight] = deque()
@@ -175,6 +208,7 @@ class EnginePath:
         flights are queued). A demand flight's deadline starts now, a
         prefetch's when it gets its slots."""
         flight.state = QUEUED
+        flight.queued_at = trio.current_time()
         if flight.prefetch:
             self.queued_prefetch.append(flight)
         else:
@@ -216,6 +250,7 @@ class EnginePath:
             batch.append(flight)
         else:
             self._pump_prefetches(batch, room)
+            self._hold_back(batch)
         if batch:
             self._submit(batch)
         if demand and not self._watching:
@@ -251,27 +286,83 @@ class EnginePath:
                 flight.deadline = now + owner.deadline  # a prefetch's deadline starts with its slot
             batch.append(flight)
 
-    def _ready(self) -> tuple[ChunkEngine, Any] | None:
-        """The engine, set up to send the backend's GETs as they are to be
-        sent now, and the backend's `direct_gets`; None: no engine path
+    def _hold_back(self, batch: list[Flight]) -> None:
+        """The prefetches at the end of ``batch`` that make a run of a pack
+        with room for more chunks go back to the head of their queue, their
+        slots given back, while an answer is still to come (requests in
+        flight, or others in ``batch``: `_drain` pumps again then), when the
+        next chunk of their run waits in the queue for a slot (the slots an
+        answer gives back would otherwise cut runs ever shorter), or for at
+        most `RUN_WAIT` since they queued (the readahead tops its window up
+        a read request at a time, and the chunks it adds next join their
+        run): a scan costs about a request per `MAX_RUN_BYTES`."""
+        tail = len(batch)
+        while tail > 0:  # the trailing prefetches of one pack, end to end
+            source = batch[tail - 1].source
+            if not batch[tail - 1].holds_prefetch_slot or source is None or not source.ranged:
+                break
+            if tail < len(batch) and not (source.key == batch[tail].source.key
+                                          and source.end == batch[tail].source.start):
+                break
+            tail -= 1
+        start = tail  # their last run, as `_reads` cuts it
+        for at in range(tail + 1, len(batch)):
+            if at - start >= RUN_PARTS or batch[at].source.end - batch[start].source.start > MAX_RUN_BYTES:
+                start = at
+        held = batch[start:]
+        if not held or len(held) >= RUN_PARTS or (
+                held[-1].source.end - held[0].source.start > MAX_RUN_BYTES - MAX_CHUNK_BLOB_BYTES):
+            return
+        in_flight = self._engine is not None and self._engine.free < self._requests
+        if not in_flight and start == 0:
+            return  # no answer to come: nothing would send them
+        if not self._next_queued(held[-1].source) and trio.current_time() - held[0].queued_at >= RUN_WAIT:
+            return
+        del batch[start:]
+        for flight in held:
+            self._release_slots(flight)
+            flight.state = QUEUED
+        self.queued_prefetch.extendleft(reversed(held))
+
+    def _next_queued(self, source: ChunkSource) -> bool:
+        """Whether the first prefetch still queued is the chunk whose blob
+        follows ``source``'s in its pack."""
+        for flight in self.queued_prefetch:
+            if flight.state is QUEUED:
+                after = flight.source
+                return after is not None and after.key == source.key and after.start == source.end
+        return False
+
+    def _ready(self) -> tuple[ChunkEngine, _Route] | None:
+        """The engine, set up to send the backend's requests as they are to
+        be sent now, and how it reaches the objects; None: no engine path
         (turned off here). A StoreError: none of them can be sent now (no
         credentials at the moment), the path stays."""
-        gets = None if self._off else self._backend.direct_gets()
-        if gets is not None and self._engine is None:
+        route = None
+        gets = None
+        if not self._off:
+            if self._files:
+                route = _Route(self._backend.direct_files(), True)
+            else:
+                gets = self._backend.direct_gets()
+                route = None if gets is None else _Route(gets.url, False)
+        if route is not None and self._engine is None:
             try:
-                self._engine = ChunkEngine(self._requests, MAX_CHUNK_BLOB_BYTES)
+                self._engine = ChunkEngine(self._requests, MAX_RUN_BYTES, max_parts=RUN_PARTS,
+                                           workers=READ_WORKERS if route.file else 0)
             except OSError as e:
-                log.warning("no chunk engine (%s): chunk GETs run in threads", e)
-                gets = None
+                log.warning("no chunk engine (%s): chunk reads run in threads", e)
+                route = None
             else:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._drain, self._engine)
-        if gets is None:
+        if route is None:
             self._turn_off()
             return None
         assert self._engine is not None
-        self._engine.set_auth(gets.headers, gets.sigv4, gets.connect_timeout, gets.idle_timeout)
-        return self._engine, gets
+        if gets is not None:
+            self._engine.set_auth(gets.headers, gets.sigv4, gets.connect_timeout, gets.idle_timeout)
+        return self._engine, route
 
     def _submit(self, batch: list[Flight]) -> None:
         """One engine submission for the flights of ``batch`` (each holds a
@@ -286,22 +377,63 @@ class EnginePath:
                 owner.engine_answered(flight, e, 0, False)
             return
         if ready is not None:
-            engine, gets = ready
-            now = trio.current_time()
-            timeout = owner.timeout
+            engine, route = ready
+            reads = self._reads(batch, route)
             try:
-                engine.start((f, gets.url(f.fp.name), f.fp,
-                              f.slot.target(f.fp) if f.slot is not None else None,
-                              min(timeout, max(f.deadline - now, MIN_ATTEMPT_TIMEOUT))) for f in batch)
+                engine.submit(reads)
             except (OSError, ValueError) as e:  # a URL it cannot send, an engine closing
-                log.warning("the chunk engine takes no GET (%s): chunk GETs run in threads", e)
+                log.warning("the chunk engine takes no request (%s): chunk reads run in threads", e)
                 self._turn_off()
             else:
-                owner.stats["gets"] += len(batch)
+                owner.stats["gets"] += len(reads)
                 return
         for flight in batch:
             self._release_slots(flight)
             owner.run_in_task(flight)
+
+    def _reads(self, batch: list[Flight], route: _Route) -> list[Read]:
+        """The engine's requests for ``batch``: one per chunk object, and
+        one per run of chunks whose blobs are adjacent in one pack (at most
+        `MAX_RUN_BYTES` and `RUN_PARTS` chunks), each request bounded by the
+        shortest time its flights have left."""
+        now = trio.current_time()
+        timeout = self._owner.timeout
+        reads: list[Read] = []
+        ranged: dict[str, list[Flight]] = {}
+        for flight in batch:
+            if flight.source is not None and flight.source.ranged:
+                ranged.setdefault(flight.source.key, []).append(flight)
+            else:
+                reads.append(Read(route.where(_key(flight)), (self._part(flight, 0, None),),
+                                  timeout=self._attempt(flight, now, timeout), file=route.file))
+        for key, flights in ranged.items():
+            flights.sort(key=lambda f: f.source.start)
+            run: list[Flight] = []
+            for flight in flights:
+                if run and not (flight.source.start == run[-1].source.end and len(run) < RUN_PARTS
+                                and flight.source.end - run[0].source.start <= MAX_RUN_BYTES):
+                    reads.append(self._run_read(route, key, run, now, timeout))
+                    run = []
+                run.append(flight)
+            reads.append(self._run_read(route, key, run, now, timeout))
+        return reads
+
+    def _run_read(self, route: _Route, key: str, run: list[Flight], now: float, timeout: float) -> Read:
+        """One range request for the flights of ``run`` (adjacent blobs)."""
+        start = run[0].source.start
+        parts = tuple(self._part(f, f.source.start - start, f.source.end - start) for f in run)
+        return Read(route.where(key), parts, start, run[-1].source.end,
+                    min(self._attempt(f, now, timeout) for f in run), route.file)
+
+    @staticmethod
+    def _part(flight: Flight, lo: int, hi: int | None) -> Part:
+        slot = flight.slot
+        return Part(flight, flight.fp, lo, hi, slot.target(flight.fp) if slot is not None else None)
+
+    @staticmethod
+    def _attempt(flight: Flight, now: float, timeout: float) -> float:
+        """A request's time limit for ``flight``: what its deadline leaves."""
+        return min(timeout, max(flight.deadline - now, MIN_ATTEMPT_TIMEOUT))
 
     def _turn_off(self) -> None:
         """No engine path from now on: the queued flights run in tasks."""
@@ -368,7 +500,7 @@ class EnginePath:
         """In trio: an answer of the engine path, to the flight's owner (a
         bucket in another region: the path off, the flight in a task)."""
         self._release_slots(flight)
-        result = self._result(flight.fp, outcome)
+        result = self._result(flight.fp, _key(flight), outcome, flight.source)
         if result is None:
             self._owner.run_in_task(flight)
             return
@@ -377,38 +509,46 @@ class EnginePath:
             cached = flight.slot.written(flight.fp, len(outcome.data), outcome.written, outcome.write_errno)
         self._owner.engine_answered(flight, result, outcome.size, cached)
 
-    def _result(self, fp: Fprint, outcome: Outcome) -> bytes | BaseException | None:
-        """The chunk's bytes, or the error the outcome means; None: the
-        backend turned the engine path off (`direct_get_error`)."""
+    def _result(self, fp: Fprint, key: str, outcome: Outcome,
+                source: ChunkSource | None = None) -> bytes | BaseException | None:
+        """The chunk's bytes, or the error the outcome means (of object
+        ``key``, at ``source``); None: the backend turned the engine path off
+        (`direct_get_error`)."""
         if outcome.data is not None:
             return outcome.data
         if outcome.mismatch:
             return chunk_mismatch(fp)
-        assert outcome.failure is not None
-        error = self._backend.direct_get_error(fp.name, outcome.failure, MAX_CHUNK_BLOB_BYTES)
+        failure = outcome.failure
+        assert failure is not None
+        if isinstance(failure, ChunkError):  # a range cut short, other bytes than asked
+            return failure
+        bound = source.max_bytes if source is not None else MAX_CHUNK_BLOB_BYTES
+        error = self._backend.direct_get_error(key, failure, bound)
         if error is None:
             self._turn_off()
         return error
 
     async def get_one(self, fp: Fprint) -> tuple[int, bytes] | None:
-        """GET and verify one chunk on the chunk engine, if there is an
-        engine path: no thread per request. Its bytes and the blob's size;
-        None: no engine path, use a thread. A cancelled wait drops the
+        """Read and verify one chunk object on the chunk engine, if there is
+        an engine path: no thread per request. Its bytes and the blob's
+        size; None: no engine path, use a thread. A cancelled wait drops the
         answer (there is no cache write to give back)."""
         if self._off or self._room() == 0:
             return None
         ready = self._ready()
         if ready is None:
             return None
-        engine, gets = ready
+        engine, route = ready
         wait = _OneGet()
+        name = fp.name
         try:
-            engine.start([(wait, gets.url(fp.name), fp, None, self._owner.timeout)])
+            engine.submit([Read(route.where(name), (Part(wait, fp),), timeout=self._owner.timeout,
+                                file=route.file)])
         except (OSError, ValueError):
             return None  # a thread, then
         await wait.event.wait()
         assert wait.outcome is not None
-        result = self._result(fp, wait.outcome)
+        result = self._result(fp, name, wait.outcome)
         if result is None:
             return None
         if isinstance(result, BaseException):

@@ -243,6 +243,26 @@ class DirectReads(Protocol):
         ...
 
 
+class DirectFiles(Protocol):
+    """A directory of blob files that another engine may read itself (the
+    reader's chunk engine in C: pread on its own threads), opening them as
+    `Backend.get` does (no symlink, a regular file only)."""
+
+    def direct_files(self) -> Callable[[str], str]:
+        """A key's file path."""
+        ...
+
+    def direct_get_error(self, key: str, failure: OSError, max_bytes: int) -> Optional[StoreError]:
+        """The StoreError a failed read of the file means (its errno, or
+        EFBIG past ``max_bytes``)."""
+        ...
+
+    def on_local_disk(self) -> bool:
+        """Whether the directory is on this machine's own disks (not a
+        network or FUSE file system)."""
+        ...
+
+
 class AsyncPuts(Protocol):
     """A backend that starts PUTs without a thread waiting on each."""
 
@@ -268,6 +288,7 @@ class Capabilities:
     a field is None when it cannot."""
 
     direct: Optional[DirectReads] = None
+    files: Optional[DirectFiles] = None
     async_puts: Optional[AsyncPuts] = None
     credentials: Optional[CredentialsView] = None
 

@@ -36,12 +36,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import secrets
 import stat
-from typing import Iterator
+from typing import Callable, Iterator
 
 from verneuil_fuse.store.base import (
-    NO_CAPABILITIES,
     RESERVED_KEY_PREFIX,
     AccessDenied,
     BucketNotFound,
@@ -99,6 +99,33 @@ DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK})
 
 
+# File systems whose files come over a network (or from another machine's
+# disks): reading them costs what a store's GET does, and a reader caches
+# their chunks as it caches S3's.
+NETWORK_FILE_SYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "lustre", "afs", "gfs2",
+    "ocfs2", "beegfs", "gpfs", "virtiofs", "davfs", "ncpfs", "orangefs",
+})
+
+
+def mount_fs_type(path: str) -> str | None:
+    """The type of the file system ``path`` (absolute, resolved) is on: that
+    of the longest mount point of /proc/self/mountinfo above it; None when
+    it cannot be read."""
+    best, fs_type = -1, None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields, _, rest = line.partition(" - ")
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields.split(" ")[4])
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) > best and rest:
+                    best, fs_type = len(point), rest.split(" ", 1)[0]
+    except (OSError, IndexError, UnicodeError):
+        return None
+    return fs_type
+
+
 class LocalBackend(LocalVersions):
     """A directory of blobs, one regular file per key.  Thread-safe.
 
@@ -130,9 +157,9 @@ class LocalBackend(LocalVersions):
         return "file://" + os.path.realpath(self.root)
 
     def capabilities(self) -> Capabilities:
-        """None beyond `Backend`'s calls: reads and writes are file system
-        calls in the caller's thread."""
-        return NO_CAPABILITIES
+        """Its files (`direct_files`): the reader's chunk engine reads them
+        itself; writes are file system calls in the caller's thread."""
+        return Capabilities(files=self)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -310,6 +337,29 @@ class LocalBackend(LocalVersions):
                 return f.read(end - start)
         except OSError as err:
             raise self._error(err, "read", key) from None
+
+    def direct_files(self) -> Callable[[str], str]:
+        """The path of a key's blob file, for a reader that reads the
+        store's files itself (the reader's chunk engine in C, opening them
+        as `get` does: no symlink, a regular file only)."""
+        return self._path
+
+    def on_local_disk(self) -> bool:
+        """Whether the store's directory is on a file system of this
+        machine's own disks (not one of `NETWORK_FILE_SYSTEMS`, nor FUSE),
+        as /proc/self/mountinfo says; False when it cannot tell."""
+        fs_type = mount_fs_type(os.path.realpath(self.root))
+        return fs_type is not None and fs_type not in NETWORK_FILE_SYSTEMS and not fs_type.startswith("fuse")
+
+    def direct_get_error(self, key: str, failure: OSError, max_bytes: int) -> StoreError:
+        """The StoreError a failed read of `direct_files`' file means: the
+        OSError of the file (its errno), or one larger than ``max_bytes``
+        (an OSError of errno EFBIG, as `store.curl.BodyTooLarge` has it)."""
+        if failure.errno == errno.EFBIG:
+            return too_large("read", self._path(key), key, getattr(failure, "size", None), max_bytes)
+        if failure.errno == errno.EINVAL:  # the engine's word for a FIFO, a device...
+            return StoreError(f"read {self._path(key)}: not a regular file, not a blob", key=key)
+        return self._error(failure, "read", key)
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
