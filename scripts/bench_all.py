@@ -594,7 +594,7 @@ class Bench:
                     continue
                 fig = {"runs": len(runs), "median_s": round(median([r["s"] for r in runs]), 4),
                        "all_s": [round(r["s"], 4) for r in runs]}
-                for k in ("requests", "gets", "lists", "heads", "bytes_down", "restore_s",
+                for k in ("requests", "gets", "revalidations", "lists", "heads", "bytes_down", "restore_s",
                           "gets_incl_prefetch", "bytes_down_incl_prefetch", "cpu_s", "cpu_ms_per_get",
                           "machine_busy_cores"):
                     vals = [r[k] for r in runs if k in r]

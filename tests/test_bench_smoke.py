@@ -155,7 +155,9 @@ def test_reader_comparison(quick_results):
             assert x["scan"]["bytes_down"] > 0
     v = read["systems"]["verneuil"]
     # Lazy: a point query fetches a few chunks, the scan nearly all of them,
-    # and the warm scan comes from the mount's own cache.
+    # and the warm scan comes from the mount's own cache (its only requests
+    # may be the follow loop's conditional GETs of the open database's
+    # manifest, one per 0.5 s, counted as revalidations).
     assert v["point"]["gets"] <= 16 < chunks // 2 <= v["scan"]["gets"] <= chunks + 2
     assert v["warm"]["gets"] == 0
     assert read["systems"]["restore"]["point"]["gets"] >= chunks - 1

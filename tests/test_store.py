@@ -977,6 +977,7 @@ def test_proxy_counts_requests(s3_server):
     assert classify(b"GET /bucket/some/key HTTP/1.1\r\nHost: x\r\n") == "GET"
     assert classify(b"GET /bucket?list-type=2 HTTP/1.1\r\n") == "LIST"
     assert classify(b"PUT /bucket/key HTTP/1.1\r\n") == "PUT"
+    assert classify(b"GET /bucket/key HTTP/1.1\r\nHost: x\r\nIf-None-Match: \"e\"\r\n") == "REVALIDATE"
     assert classify(b"\x28\xb5\x2f\xfd body bytes") is None
     store = s3_server.make_store()
     before = s3_server.counts()

@@ -5,7 +5,9 @@ Every system under test (the verneuil mount, s3fs, rclone, the copier,
 `verneuilctl restore`, plain boto3) reaches moto through one of these, so
 their GETs and bytes are counted by the same meter and all pay the same
 added round trip. See `s3server.Proxy` for what is counted: requests by
-method (an object GET as "GET", a bucket GET as "LIST"), bytes each way.
+method (an object GET as "GET", a bucket GET as "LIST", a conditional GET
+as "REVALIDATE": the follow loop asking whether a manifest changed), bytes
+each way.
 Binds 127.0.0.1 only.
 """
 from __future__ import annotations

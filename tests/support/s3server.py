@@ -143,15 +143,20 @@ _METHODS = (b"GET", b"PUT", b"HEAD", b"POST", b"DELETE")
 def classify(first: bytes) -> str | None:
     """The counter name of a request that starts with ``first``: its method,
     except that a GET of a bucket (a listing, path-style ``/bucket``) is
-    "LIST"; None when ``first`` does not start a request (e.g. a body sent
-    after ``100 Continue``)."""
-    parts = first.split(b"\r\n", 1)[0].split(b" ")
+    "LIST" and a conditional GET of an object (If-None-Match: a reader
+    asking whether a manifest changed, answered 304 while it did not) is
+    "REVALIDATE"; None when ``first`` does not start a request (e.g. a body
+    sent after ``100 Continue``)."""
+    head, _, rest = first.partition(b"\r\n")
+    parts = head.split(b" ")
     if len(parts) != 3 or parts[0] not in _METHODS or not parts[2].startswith(b"HTTP/"):
         return None
     if parts[0] != b"GET":
         return parts[0].decode()
     path = parts[1].split(b"?", 1)[0]
-    return "GET" if len([seg for seg in path.split(b"/") if seg]) >= 2 else "LIST"
+    if len([seg for seg in path.split(b"/") if seg]) < 2:
+        return "LIST"
+    return "REVALIDATE" if b"\r\nif-none-match:" in b"\r\n" + rest.lower() else "GET"
 
 
 class Proxy:
@@ -196,10 +201,12 @@ class Proxy:
     @staticmethod
     def delta(before: dict, after: dict) -> dict:
         """Counts between two snapshots: requests (all methods), GETs
-        (object GETs), LISTs, HEADs, PUTs, bytes down/up."""
+        (unconditional object GETs), revalidations (conditional GETs), LISTs,
+        HEADs, PUTs, bytes down/up."""
         d = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)}
         requests = sum(v for k, v in d.items() if not k.startswith("bytes_"))
-        return {"requests": requests, "gets": d.get("GET", 0), "lists": d.get("LIST", 0),
+        return {"requests": requests, "gets": d.get("GET", 0), "revalidations": d.get("REVALIDATE", 0),
+                "lists": d.get("LIST", 0),
                 "heads": d.get("HEAD", 0), "puts": d.get("PUT", 0) + d.get("POST", 0),
                 "bytes_down": d.get("bytes_down", 0), "bytes_up": d.get("bytes_up", 0)}
 
