@@ -13,7 +13,8 @@ from setuptools import Extension, setup
 # shell): no -lsqlite3, every SQLite call goes through sqlite3_api; only the
 # entry points are exported.
 _VFS_SOURCES = ["csrc/vfs.c", "csrc/config.c", "csrc/log.c", "csrc/tracker.c", "csrc/spool.c",
-                "csrc/names.c", "csrc/manifest_pb.c", "csrc/btree_tops.c", "csrc/umash.c"]
+                "csrc/names.c", "csrc/manifest_pb.c", "csrc/btree_tops.c", "csrc/umash.c",
+                "csrc/wal.c", "csrc/walrec.c"]
 _LOADABLE_VFS = Extension(
     "writer_vfs.libverneuil_vfs",
     sources=_VFS_SOURCES,

@@ -191,7 +191,7 @@ log "source: $SRC ($(cat "$SRC/.verneuil-extracted"))"
 [ "$FETCH_ONLY" -eq 0 ] || { echo "$SRC"; exit 0; }
 
 # --- 3. testfixture with the verneuil VFS -------------------------------------
-VN_SOURCES=(vfs.c config.c log.c tracker.c spool.c names.c manifest_pb.c btree_tops.c umash.c selfcheck.c)
+VN_SOURCES=(vfs.c config.c log.c tracker.c spool.c names.c manifest_pb.c btree_tops.c umash.c wal.c walrec.c selfcheck.c)
 for f in "${VN_SOURCES[@]}" verneuil_vfs.h; do
 	[ -f "$ROOT/csrc/$f" ] || die 4 "csrc/$f does not exist yet"
 done

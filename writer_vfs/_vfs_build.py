@@ -14,7 +14,7 @@ _CSRC = os.path.join(_ROOT, "csrc")
 
 # The C files of the VFS, shared with the loadable extension in setup.py.
 SOURCES = ["vfs.c", "config.c", "log.c", "tracker.c", "spool.c", "names.c", "manifest_pb.c",
-           "btree_tops.c", "umash.c"]
+           "btree_tops.c", "umash.c", "wal.c", "walrec.c"]
 CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-Wextra"]
 
 ffibuilder = FFI()

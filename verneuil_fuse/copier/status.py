@@ -2,8 +2,9 @@
 
 Everything comes from the spool itself (no copier state is needed): pending
 snapshots in `ready`/`consuming`, staged chunks not yet uploaded, the age of
-the staged manifest, whether the source file moved past it; and, given a
-store, whether the store holds exactly the staged manifest.
+the staged manifest, whether the source database (its file, and its WAL in
+WAL mode: source.py) moved past it; and, given a store, whether the store
+holds exactly the staged manifest.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Optional
 
 from .. import format as fmt
 from ..store import NotFound, TooLarge
+from . import source as src
 from . import spool as sp
 
 # The size limit for the spool's own staged manifests: they come from this
@@ -60,23 +62,18 @@ def _store_manifest_raw(store, name: str, staged: bytes) -> Optional[bytes]:
     return blob
 
 
-# SQLite's header: bytes 18 and 19 (file format write and read versions) are
-# 2 in a database in WAL mode, which the VFS does not replicate.
-_WAL_VERSION_BYTES = slice(18, 20)
-
-
 def source_uses_wal(source: Optional[str]) -> Optional[bool]:
     """Whether the database file's header says WAL (None: unreadable)."""
     if not source:
         return None
     try:
         with open(source, "rb") as f:
-            header = f.read(100)
+            header = f.read(src.HEADER_BYTES)
     except OSError:
         return None
-    if len(header) < 100:
+    if len(header) < src.HEADER_BYTES:
         return None
-    return header[_WAL_VERSION_BYTES] == b"\x02\x02"
+    return src.uses_wal(header)
 
 
 def db_status(db: sp.DbDir, store=None) -> dict:
@@ -113,12 +110,9 @@ def db_status(db: sp.DbDir, store=None) -> dict:
             entry["len"] = m.len
             entry["chunks"] = len(m.chunks)
             if source:
-                try:
-                    with open(source, "rb") as f:
-                        header = f.read(100)
-                    entry["source_changed"] = fmt.header_fprint_of(header) != m.header_fprint
-                except OSError:
-                    entry["source_changed"] = None
+                header = src.committed_header(source)
+                entry["source_changed"] = (None if header is None
+                                           else fmt.header_fprint_of(header) != m.header_fprint)
         if store is not None:
             remote = _store_manifest_raw(store, name, raw)
             entry["in_store"] = ("missing" if remote is None
