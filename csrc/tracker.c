@@ -150,10 +150,15 @@ void vn_tracker_fini(struct vn_tracker *t)
 	memset(t, 0, sizeof(*t));
 }
 
-void vn_tracker_reset(struct vn_tracker *t)
+static void clear_dirty(struct vn_tracker *t)
 {
 	if (t->dirty != NULL)
 		memset(t->dirty, 0, t->dirty_words * sizeof(uint64_t));
+}
+
+void vn_tracker_reset(struct vn_tracker *t)
+{
+	clear_dirty(t);
 	t->force_full = 0;
 	t->version_written = 0;
 	t->uuid_written = 0;
@@ -1296,6 +1301,7 @@ static int judge_wal(struct build *b, const struct vn_wal_commit *c,
 		return -1;
 	b->use_incremental = from >= 0;
 	b->old_len = from >= 0 ? t->staged.len : 0;
+	clear_dirty(t);
 	if (from >= 0 && b->overlay)
 		mark_frames(b, (uint32_t)from, end);
 	return 0;
