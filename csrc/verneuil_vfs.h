@@ -1,7 +1,8 @@
 /*
  * The `verneuil` SQLite VFS: a shim over the default (unix) VFS that stages
  * a content-addressed snapshot of every main database file in a local spool
- * after each write transaction (docs/SPOOL.md, docs/WRITER.md).
+ * after each commit, with a rollback journal or in WAL mode (docs/SPOOL.md,
+ * docs/WRITER.md).
  *
  * This is the one public header (used by the cffi build, writer_vfs/).
  * Replication never fails or blocks SQLite: errors are reported through
@@ -76,7 +77,8 @@ int verneuil_vfs_set_bundle_chunks(int n);
 /* Also copy every log message to stderr (for debugging). */
 void verneuil_vfs_set_log_stderr(int on);
 
-/* Print "not replicated" warnings (a WAL database) on stderr too: on by
+/* Print "not replicated" warnings on stderr too (a spool that keeps failing,
+ * a WAL database whose shared memory a VFS above us implements): on by
  * default; VERNEUIL_CONFIG's "warn_stderr": false turns it off. */
 void verneuil_vfs_set_warn_stderr(int on);
 

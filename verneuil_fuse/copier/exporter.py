@@ -4,7 +4,8 @@
 At each scrape: the copier's counters (`CopierStats`, as
 ``verneuil_copier_*``) and, per database of the spool, what `spool_status`
 reports without asking the store (``verneuil_spool_*{db="..."}``: pending
-bytes, the age of the oldest snapshot not yet shipped as ``lag``, WAL).
+bytes, the age of the oldest snapshot not yet shipped as ``lag``, whether it
+is in WAL mode).
 The spool is read at each scrape, never in between, so an idle exporter
 costs nothing.
 """
