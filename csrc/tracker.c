@@ -310,6 +310,7 @@ struct build {
 	int overlay;
 	int patch_header;
 	int have_size;     /* size is the committed state's, given */
+	uint64_t pending_byte; /* SQLite's lock bytes (vn_snapshot_config) */
 
 	/* The file now (read_current). */
 	sqlite3_int64 size;
@@ -1307,6 +1308,94 @@ static int judge_wal(struct build *b, const struct vn_wal_commit *c,
 	return 0;
 }
 
+
+/* Most freelist trunk pages file_is_whole() reads: a freelist of a million
+ * pages of 4 KiB has 1,000 trunks; a longer walk proves nothing more. */
+#define VN_FREELIST_MAX_TRUNKS 4096
+
+static uint32_t get_be32(const uint8_t *p)
+{
+	return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 |
+	    (uint32_t)p[2] << 8 | (uint32_t)p[3];
+}
+
+/* Removes from missing[0..*n) the pages on the committed state's freelist
+ * (its trunks are read through b): 0, or -1 on a read error. */
+static int drop_free_pages(struct build *b, const struct vn_wal_pos *end,
+    uint32_t *missing, size_t *n)
+{
+	uint8_t *page;
+	uint32_t trunk;
+
+	if (ensure_buffers(b->t) != 0)
+		return -1;
+	page = b->t->buf; /* VN_CHUNK_SIZE bytes: any page fits */
+	if (read_bytes(b, page, VN_HEADER_BYTES, 0) != 0)
+		return -1;
+	trunk = get_be32(page + 32);
+	for (int hops = 0; trunk != 0 && trunk <= end->npage && *n > 0 &&
+	    hops < VN_FREELIST_MAX_TRUNKS; hops++) {
+		uint32_t leaves;
+
+		if (read_bytes(b, page, end->pgsz,
+		    (uint64_t)(trunk - 1) * end->pgsz) != 0)
+			return -1;
+		leaves = get_be32(page + 4);
+		if (leaves > end->pgsz / 4 - 2)
+			leaves = end->pgsz / 4 - 2;
+		for (uint32_t l = 0; l < leaves; l++) {
+			uint32_t leaf = get_be32(page + 8 + 4 * l);
+
+			for (size_t k = 0; k < *n; k++) {
+				if (missing[k] == leaf) {
+					missing[k] = missing[--*n];
+					break;
+				}
+			}
+		}
+		trunk = get_be32(page);
+	}
+	return 0;
+}
+
+/*
+ * Whether the file holds the database.  SQLite writes every page it adds
+ * as a frame, so a page of the committed state past the file's end has one,
+ * but for the page of its lock bytes and freelist leaves (their bytes are
+ * never used, and without SQLITE_SECURE_DELETE never written): those SQLite
+ * reads as zeros, and so does a snapshot.  Any other page with no frame means the
+ * file is a piece of a database that a VFS layered above us spreads over
+ * several files (SQLite's multiplexor does), whose state this file and the
+ * WAL alone do not make.
+ */
+static int file_is_whole(struct build *b, const struct vn_wal_pos *end)
+{
+	uint32_t missing[64];
+	sqlite3_int64 fsize;
+	uint64_t first, lock_page;
+	size_t n = 0;
+
+	if (end->npage == 0 || end->pgsz == 0 ||
+	    b->db->pMethods->xFileSize(b->db, &fsize) != SQLITE_OK)
+		return 1; /* the file itself; or reads will fail anyway */
+	first = ((uint64_t)fsize + end->pgsz - 1) / end->pgsz + 1;
+	/* The page of SQLite's lock bytes, which it never writes. */
+	lock_page = b->pending_byte / end->pgsz + 1;
+	for (uint64_t p = first; p <= end->npage; p++) {
+		if ((b->overlay && vn_wal_frame_of(b->wal, (uint32_t)p) != 0) ||
+		    p == lock_page)
+			continue;
+		if (n == sizeof(missing) / sizeof(missing[0]))
+			return 0; /* more than a few: not freelist leaves */
+		missing[n++] = (uint32_t)p;
+	}
+	if (n == 0)
+		return 1;
+	if (!b->overlay || drop_free_pages(b, end, missing, &n) != 0)
+		return 0;
+	return n == 0;
+}
+
 /* The committed state's size: its pages, or the file's when the WAL does
  * not say (no commit frame since the WAL was created). */
 static void wal_size(struct build *b, const struct vn_wal_pos *end)
@@ -1322,7 +1411,7 @@ enum vn_snapshot_result vn_tracker_snapshot_wal(struct vn_tracker *t,
     const struct vn_snapshot_config *config, struct vn_wal_pos *done)
 {
 	struct build b = { .t = t, .db = db, .s = &t->session, .wal = &t->wal,
-	    .patch_header = 1 };
+	    .patch_header = 1, .pending_byte = config->pending_byte };
 	struct vn_walrec r = { .kind = VN_WALREC_POS };
 	enum vn_snapshot_result res;
 
@@ -1344,6 +1433,8 @@ enum vn_snapshot_result vn_tracker_snapshot_wal(struct vn_tracker *t,
 	}
 	if (check_room(&b) != 0 || judge_wal(&b, c, &r.pos) != 0)
 		return abandon(&b);
+	if (!file_is_whole(&b, &r.pos))
+		return VN_SNAPSHOT_SPLIT;
 	wal_size(&b, &r.pos);
 	res = read_current(&b);
 	if (res == VN_SNAPSHOT_FAILED)

@@ -133,10 +133,14 @@ struct vn_tracker {
 /* gc_weight: GC runs with probability gc_weight * (chunks staged now) /
  * (chunks in the db): about every 1/gc_weight db-sizes of new chunks.
  * bundle_chunks: most chunks besides chunk 0 bundled in each manifest, those
- * holding the upper levels of the b-trees (at most VN_TOPS_MAX_CHUNKS). */
+ * holding the upper levels of the b-trees (at most VN_TOPS_MAX_CHUNKS).
+ * pending_byte: see below. */
 struct vn_snapshot_config {
 	double gc_weight;
 	size_t bundle_chunks;
+	/* The byte whose page holds SQLite's lock bytes, a page SQLite never
+	 * writes: 2^30 (SQLITE_TESTCTRL_PENDING_BYTE may move it). */
+	uint64_t pending_byte;
 };
 
 /* canon_path: the file's canonical path (the spool's key and the xattrs');
@@ -162,6 +166,9 @@ enum vn_snapshot_result {
 	VN_SNAPSHOT_EMPTY,   /* empty file: nothing to snapshot */
 	VN_SNAPSHOT_WAL,     /* the header says WAL: the WAL path's to take */
 	VN_SNAPSHOT_FAILED,  /* logged through vn_log; version id cleared */
+	VN_SNAPSHOT_SPLIT,   /* WAL: the state has pages neither the file nor
+			      * the WAL holds: the file is a piece of a
+			      * database that a VFS above us splits */
 };
 
 /* Brings staging up to date with `db` after a rollback-journal commit

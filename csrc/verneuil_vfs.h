@@ -28,6 +28,15 @@ extern "C" {
 #define VERNEUIL_VFS_NAME "verneuil"
 
 /*
+ * sqlite3_file_control(db, "main", VERNEUIL_FCNTL_WAL_UNREPLICATED, &on)
+ * (int on) sets `on` to 1 when the file's WAL commits are not replicated
+ * through this connection (its WAL's shared memory, or part of the
+ * database, is handled by another VFS above `verneuil`), else 0.  An opcode
+ * of our own, above SQLite's.
+ */
+#define VERNEUIL_FCNTL_WAL_UNREPLICATED 0x76650001
+
+/*
  * Registers the VFS (first call) or updates its configuration (later
  * calls; files already open keep the spool they opened with).  spool_dir
  * NULL or "" disables replication (the VFS then passes everything through).

@@ -101,6 +101,9 @@ struct vn_db {
 			    * checkpoints, not tracked */
 	int shm_above;     /* WAL with shared memory out of our sight (a VFS
 			    * layered above us implements it): not replicated */
+	int split;         /* WAL with pages the file does not hold (a VFS
+			    * above us spreads the database over several
+			    * files): not replicated */
 	char *canon;       /* realpath of the database */
 	const char *name;  /* SQLite's name for it (valid until xClose): the
 			    * journal is name + "-journal", the WAL name + "-wal" */
@@ -246,15 +249,22 @@ static void announce_db(struct vn_db *db)
 		vn_spool_close(&s);
 }
 
+/* SQLite's lock bytes start here unless a program moved them (SQLite's
+ * test suite does, with SQLITE_TESTCTRL_PENDING_BYTE). */
+#define VN_PENDING_BYTE 0x40000000
+
 /* The configuration a snapshot uses. */
 static void snapshot_config(struct vn_snapshot_config *sc)
 {
 	struct vn_config *cfg = &vn_config;
+	/* Asked with 0, SQLite tells where they are and changes nothing. */
+	int pending = sqlite3_test_control(SQLITE_TESTCTRL_PENDING_BYTE, 0);
 
 	pthread_mutex_lock(&cfg->mutex);
 	sc->gc_weight = cfg->gc_weight;
 	sc->bundle_chunks = cfg->bundle_chunks;
 	pthread_mutex_unlock(&cfg->mutex);
+	sc->pending_byte = pending > 0 ? (uint64_t)pending : VN_PENDING_BYTE;
 }
 
 static_assert(VN_HEADER_WAL_READ == VN_HEADER_WAL_WRITE + 1,
@@ -386,7 +396,7 @@ static int pragma(sqlite3_file *f, char **args)
 		    (unsigned long long)s->bundled,
 		    (unsigned long long)s->low_space, db->wal,
 		    (unsigned long long)s->wal,
-		    (unsigned long long)s->wal_frames, db->shm_above,
+		    (unsigned long long)s->wal_frames, db->shm_above || db->split,
 		    db->tracker.no_xattr);
 		return SQLITE_OK;
 	}
@@ -400,6 +410,15 @@ static int pragma(sqlite3_file *f, char **args)
 
 /* ---- WAL commits -------------------------------------------------------- */
 
+/* This connection cannot replicate the database's WAL commits (why: said
+ * once, on stderr and in the log): its replicas stay where they are. */
+static void not_replicated(struct vn_db *db, const char *why)
+{
+	db->wal = 1;
+	announce_db(db);
+	vn_warn("verneuil: %s: %s: it is NOT replicated", db->canon, why);
+}
+
 /* A WAL commit, seen under the WAL write lock (c->have_end) or the
  * exclusive lock on the file: the snapshot, remembered as `last`. */
 static void wal_commit(sqlite3_file *f, struct vn_db *db,
@@ -407,9 +426,19 @@ static void wal_commit(sqlite3_file *f, struct vn_db *db,
 {
 	struct vn_snapshot_config sc;
 
+	enum vn_snapshot_result res;
+
+	if (db->split)
+		return;
 	snapshot_config(&sc);
-	db->last_ok = vn_tracker_snapshot_wal(&db->tracker, REAL(f), c, &sc,
-	    &db->last) == VN_SNAPSHOT_DONE;
+	res = vn_tracker_snapshot_wal(&db->tracker, REAL(f), c, &sc, &db->last);
+	db->last_ok = res == VN_SNAPSHOT_DONE;
+	if (res == VN_SNAPSHOT_SPLIT) {
+		db->split = 1;
+		not_replicated(db, "its WAL holds pages the file does not: the "
+		    "database is spread over several files by another VFS "
+		    "layered above verneuil (SQLite's multiplexor does)");
+	}
 }
 
 /* The WAL write lock is about to be released (shared memory). */
@@ -422,8 +451,11 @@ static void wal_unlocking(sqlite3_file *f, struct vn_db *db)
 	if (vn_walindex_read(db->shm0, &c.end) != 0)
 		return; /* no valid header: nothing committed to read */
 	/* A rolled-back transaction, a checkpoint or a recovery that changed
-	 * nothing: the state this connection snapshotted last. */
+	 * nothing: the state this connection snapshotted last.  Not so with
+	 * no WAL generation: the state is then the file, which may change
+	 * under the same position (another session, a file put in place). */
 	if (db->last_ok && !db->tracker.force_full &&
+	    !vn_wal_salt_none(c.end.salt) &&
 	    vn_wal_pos_equal(&c.end, &db->last))
 		return;
 	wal_commit(f, db, &c);
@@ -451,12 +483,9 @@ static void into_wal(sqlite3_file *f, struct vn_db *db)
 static void shm_out_of_sight(struct vn_db *db)
 {
 	db->shm_above = 1;
-	db->wal = 1;
-	announce_db(db);
-	vn_warn("verneuil: %s: its WAL's shared memory is handled by another "
-	    "VFS layered above verneuil, which hides the WAL's write lock: it "
-	    "is NOT replicated (open it with vfs=verneuil directly, or with "
-	    "locking_mode=EXCLUSIVE)", db->canon);
+	not_replicated(db, "its WAL's shared memory is handled by another VFS "
+	    "layered above verneuil, which hides the WAL's write lock (open it "
+	    "with vfs=verneuil directly, or with locking_mode=EXCLUSIVE)");
 }
 
 /*
@@ -500,6 +529,10 @@ static int vn_file_control(sqlite3_file *f, int op, void *arg)
 
 	if (op == SQLITE_FCNTL_PRAGMA)
 		return pragma(f, (char **)arg);
+	if (op == VERNEUIL_FCNTL_WAL_UNREPLICATED) {
+		*(int *)arg = db != NULL && (db->shm_above || db->split);
+		return SQLITE_OK;
+	}
 	if (op == SQLITE_FCNTL_COMMIT_PHASETWO && db != NULL)
 		commit_phase_two(f, db);
 	return REAL(f)->pMethods->xFileControl(REAL(f), op, arg);
@@ -570,7 +603,7 @@ static void wal_checkpointed(sqlite3_file *f, struct vn_db *db)
 	struct vn_wal_commit c = { .reread = 1 };
 	struct vn_wal_pos index;
 
-	if (vn_walindex_read(db->shm0, &index) != 0)
+	if (db->split || vn_walindex_read(db->shm0, &index) != 0)
 		return;
 	c.bound = index.mx;
 	wal_commit(f, db, &c);

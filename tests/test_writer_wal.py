@@ -310,3 +310,30 @@ print(s["wal"], s["wal_snapshots"], s["failed"], s["wal_unreplicated"])
     wal, snapshots, failed, unreplicated = map(int, out.stdout.split())
     assert wal == 1 and snapshots >= 52 and failed == 0 and unreplicated == 0, out.stdout
     assert_staged(db, spool, tmp_path)
+
+
+def test_free_pages_never_written_are_read_as_zeros(spool, tmp_path):
+    """Without secure_delete, pages that end a transaction on the freelist
+    are never written: past the file's end they have no frame, and SQLite
+    reads them as zeros.  The database is still the file and the WAL (not a
+    piece of one: it stays replicated), and its snapshot has those zeros."""
+    db = str(tmp_path / "free.db")
+    conn = wal_db(db)
+    conn.execute("PRAGMA secure_delete=OFF")
+    conn.execute("PRAGMA wal_autocheckpoint=0")
+    conn.execute("CREATE TABLE t(v)")
+    conn.execute("INSERT INTO t VALUES (1)")
+    conn.execute("BEGIN")
+    conn.execute("INSERT INTO t VALUES (randomblob(300000))")
+    conn.execute("INSERT INTO t VALUES (2)")
+    conn.execute("DELETE FROM t WHERE length(v) > 1000")
+    conn.execute("COMMIT")
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    assert pages * 4096 > os.path.getsize(db)  # pages past the file's end
+    assert conn.execute("PRAGMA freelist_count").fetchone()[0] > 0
+    assert_staged(db, spool, tmp_path)
+    conn.execute("INSERT INTO t VALUES (3)")
+    assert_staged(db, spool, tmp_path)
+    s = writer_vfs.stats(conn)
+    assert s["wal_unreplicated"] == 0 and s["failed"] == 0, s
+    conn.close()

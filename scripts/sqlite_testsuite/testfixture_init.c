@@ -324,6 +324,22 @@ static int ck_lock(sqlite3_file *f, int level)
 	return rc;
 }
 
+/* Whether verneuil says it does not replicate this file's WAL commits (a
+ * VFS above it hides the WAL's shared memory or spreads the database over
+ * several files): counted as unreplicated. */
+static int wal_unreplicated(struct ck_file *p)
+{
+	int on = 0;
+
+	if (p->real->pMethods->xFileControl(p->real,
+	    VERNEUIL_FCNTL_WAL_UNREPLICATED, &on) != SQLITE_OK || !on)
+		return 0;
+	pthread_mutex_lock(&ck.mutex);
+	ck.unreplicated++;
+	pthread_mutex_unlock(&ck.mutex);
+	return 1;
+}
+
 /* Whether the database's WAL file is gone (deleted at its last close). */
 static int wal_gone(struct ck_file *p)
 {
@@ -360,7 +376,7 @@ static int ck_unlock(sqlite3_file *f, int level)
 		 * not).  Checked before the lock goes: under SHARED, other
 		 * connections may already write a new WAL. */
 		if (p->lock >= SQLITE_LOCK_EXCLUSIVE && p->shm_seen &&
-		    wal_gone(p))
+		    wal_gone(p) && !wal_unreplicated(p))
 			run_check(p, NULL, "WAL closed");
 	} else if (p->path != NULL && p->lock >= SQLITE_LOCK_RESERVED &&
 	    level <= SQLITE_LOCK_SHARED) {
@@ -395,7 +411,7 @@ static int ck_file_control(sqlite3_file *f, int op, void *arg)
 	 * A rollback commit is checked at its unlock. */
 	if (op == SQLITE_FCNTL_COMMIT_PHASETWO && p->path != NULL &&
 	    header_says_wal(p)) {
-		if (p->lock >= SQLITE_LOCK_EXCLUSIVE)
+		if (p->lock >= SQLITE_LOCK_EXCLUSIVE && !wal_unreplicated(p))
 			run_check(p, NULL, "commit, exclusive lock");
 		else
 			shm_above(p); /* else checked under the WAL write lock */
@@ -435,7 +451,7 @@ static void check_after_wal_unlock(struct ck_file *p)
 		return;
 	}
 	if (real->pMethods->xShmMap(real, 0, CK_SHM_REGION, 0, &shm0) ==
-	    SQLITE_OK && shm0 != NULL)
+	    SQLITE_OK && shm0 != NULL && !wal_unreplicated(p))
 		run_check(p, shm0, "WAL write lock");
 	real->pMethods->xShmLock(real, 0, 1,
 	    SQLITE_SHM_UNLOCK | SQLITE_SHM_EXCLUSIVE);
