@@ -540,42 +540,47 @@ static int open_walrec(struct vn_spool_session *s)
 	return 0;
 }
 
-int vn_spool_read_walrec(struct vn_spool_session *s, uint8_t *buf, size_t cap,
-    size_t *len)
+/* One pread (buf != NULL) or pwrite (out != NULL) of the record at offset
+ * 0: 0 and the bytes moved in *moved, or an errno value. */
+static int walrec_io(struct vn_spool_session *s, uint8_t *buf,
+    const uint8_t *out, size_t len, size_t *moved)
 {
 	ssize_t n;
 	int rc = open_walrec(s);
 
-	*len = 0;
+	*moved = 0;
 	if (rc != 0)
 		return rc;
 	do
-		n = pread(s->walrec_fd, buf, cap, 0);
+		n = buf != NULL ? pread(s->walrec_fd, buf, len, 0) :
+		    pwrite(s->walrec_fd, out, len, 0);
 	while (n < 0 && errno == EINTR);
 	if (n < 0) {
-		s->what = "read staging/wal-position";
+		s->what = buf != NULL ? "read staging/wal-position" :
+		    "write staging/wal-position";
 		return errno;
 	}
-	*len = (size_t)n;
+	*moved = (size_t)n;
 	return 0;
+}
+
+int vn_spool_read_walrec(struct vn_spool_session *s, uint8_t *buf, size_t cap,
+    size_t *len)
+{
+	return walrec_io(s, buf, NULL, cap, len);
 }
 
 int vn_spool_write_walrec(struct vn_spool_session *s, const uint8_t *buf,
     size_t len)
 {
-	ssize_t n;
-	int rc = open_walrec(s);
+	size_t written;
+	int rc = walrec_io(s, NULL, buf, len, &written);
 
-	if (rc != 0)
-		return rc;
-	do
-		n = pwrite(s->walrec_fd, buf, len, 0);
-	while (n < 0 && errno == EINTR);
-	if (n != (ssize_t)len) {
+	if (rc == 0 && written != len) {
 		s->what = "write staging/wal-position";
-		return n < 0 ? errno : EIO;
+		rc = EIO;
 	}
-	return 0;
+	return rc;
 }
 
 /*

@@ -22,15 +22,7 @@ from hypothesis import strategies as st
 import writer_vfs
 
 from support import spoolutil
-
-
-@pytest.fixture
-def spool(tmp_path):
-    path = str(tmp_path / "spool")
-    writer_vfs.register(path)
-    writer_vfs.set_gc_weight(4.0)
-    yield path
-    writer_vfs.set_gc_weight(4.0)
+from test_writer_vfs import spool  # noqa: F401 - the fixture: a fresh spool
 
 
 def wal_db(path, page_size=4096, locking="NORMAL"):
