@@ -1145,9 +1145,9 @@ static int file_unchanged(struct build *b)
 
 /*
  * The commit's position: the wal-index header's (c->have_end), or found in
- * the WAL file as SQLite's recovery finds it (its last valid commit frame,
- * up to c->bound; no WAL: the file alone), the index then at it.  0, or -1
- * with b->what set.
+ * the WAL file as SQLite's recovery finds it (its last valid commit frame;
+ * no WAL: the file alone), the index then at it.  0, or -1 with b->what
+ * set.
  */
 static int wal_end(struct build *b, const struct vn_wal_commit *c,
     struct vn_wal_pos *end)
@@ -1161,18 +1161,15 @@ static int wal_end(struct build *b, const struct vn_wal_commit *c,
 		return 0;
 	}
 	memset(end, 0, sizeof(*end));
-	if (c->reread)
-		vn_wal_forget(w);
 	rc = vn_wal_read_header(w);
-	if (rc == 0 && (vn_wal_chain_at(w, w->n, ck) != 0 ||
-	    (c->bound > 0 && w->n > c->bound))) {
+	if (rc == 0 && vn_wal_chain_at(w, w->n, ck) != 0) {
 		vn_wal_forget(w);
 		rc = vn_wal_read_header(w);
 	}
 	if (rc == ENOENT)
 		return 0;
 	if (rc == 0)
-		rc = vn_wal_verify(w, c->bound, 0, end);
+		rc = vn_wal_verify(w, 0, 0, end);
 	return rc == 0 ? 0 : fail_with(b, w->what, rc);
 }
 
@@ -1456,17 +1453,19 @@ enum vn_snapshot_result vn_tracker_snapshot_wal(struct vn_tracker *t,
 	return VN_SNAPSHOT_DONE;
 }
 
-void vn_tracker_wal_checkpointed(struct vn_tracker *t, sqlite3_file *db,
-    const struct vn_wal_pos *end)
+int vn_tracker_wal_intact(struct vn_tracker *t, const struct vn_wal_pos *end)
 {
-	struct build b = { .t = t, .db = db, .s = &t->session };
+	struct vn_wal *w = &t->wal;
+	struct vn_wal_pos got;
 
-	if (!t->spool_ok || open_session(&b) != 0)
-		return;
-	load_record(&b);
-	if (t->rec_valid && t->rec.kind == VN_WALREC_POS &&
-	    vn_wal_pos_equal(&t->rec.pos, end))
-		record_file(&b);
+	if (!t->wal_ok)
+		return 0;
+	if (end->mx == 0)
+		return 1; /* nothing to copy, nothing copied */
+	vn_wal_forget(w);
+	return vn_wal_use_generation(w, end->salt) == 0 &&
+	    vn_wal_verify(w, end->mx, 1, &got) == 0 &&
+	    vn_wal_pos_equal(&got, end);
 }
 
 /*

@@ -16,7 +16,7 @@
  * staged snapshot is the frames after the position its record names
  * (walrec.h).  The VFS calls vn_tracker_snapshot_wal() at each commit, and
  * when the WAL's last connection closes it, while no other writer can append
- * to the WAL or reset it; then vn_tracker_wal_checkpointed().
+ * to the WAL or reset it.
  *
  * All of it runs on the connection's thread, under SQLite's locks.
  */
@@ -189,9 +189,6 @@ struct vn_wal_commit {
 	int have_start;           /* start: the position when this writer's
 				   * write lock (or transaction) began */
 	struct vn_wal_pos start;
-	uint32_t bound;           /* no end: read no frame past this one
-				   * (0: no bound) */
-	int reread;               /* no end: verify every frame again */
 };
 
 /*
@@ -205,11 +202,8 @@ enum vn_snapshot_result vn_tracker_snapshot_wal(struct vn_tracker *t,
     sqlite3_file *db, const struct vn_wal_commit *c,
     const struct vn_snapshot_config *config, struct vn_wal_pos *done);
 
-/* SQLite copied every frame of the WAL, whose last position is `end`, into
- * the file, under an exclusive lock on it, and is about to delete the WAL:
- * if the staged snapshot is the state at `end`, records that it is the file
- * (for the next session's first commit). */
-void vn_tracker_wal_checkpointed(struct vn_tracker *t, sqlite3_file *db,
-    const struct vn_wal_pos *end);
+/* Whether the WAL still holds, as committed, every frame up to `end`, each
+ * verified again from its header (the index is read anew). */
+int vn_tracker_wal_intact(struct vn_tracker *t, const struct vn_wal_pos *end);
 
 #endif /* VN_TRACKER_H */

@@ -592,23 +592,22 @@ static void vn_shm_barrier(sqlite3_file *f)
 /*
  * The WAL's last connection copied every frame into the file (a complete
  * checkpoint under the exclusive lock) and is about to delete the WAL: the
- * file is what SQLite copied, the frames the WAL holds up to the commit the
- * wal-index names, each verified again (what another program wrote in the
- * WAL since it was committed went into the file too).  Snapshotted (usually
- * it is already) and recorded as the file, so the next session's first
- * commit is incremental.
+ * file is now the database, whole (SQLite may have left it longer than the
+ * last commit's pages: SQLITE_FCNTL_CHUNK_SIZE).  Snapshotted as the file
+ * with no WAL (recorded as the file, so the next session's first commit is
+ * incremental): from the staged snapshot when that is the state the
+ * wal-index names and the WAL still holds those frames (what another
+ * program wrote into them since went into the file too), else from a full
+ * scan.
  */
 static void wal_checkpointed(sqlite3_file *f, struct vn_db *db)
 {
-	struct vn_wal_commit c = { .reread = 1 };
-	struct vn_wal_pos index;
+	struct vn_wal_commit c = { .have_end = 1 }; /* no WAL: the file */
 
-	if (db->split || vn_walindex_read(db->shm0, &index) != 0)
+	if (db->split || vn_walindex_read(db->shm0, &c.start) != 0)
 		return;
-	c.bound = index.mx;
+	c.have_start = vn_tracker_wal_intact(&db->tracker, &c.start);
 	wal_commit(f, db, &c);
-	if (db->last_ok)
-		vn_tracker_wal_checkpointed(&db->tracker, REAL(f), &db->last);
 }
 
 static int vn_shm_unmap(sqlite3_file *f, int delete_flag)
