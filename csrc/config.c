@@ -8,6 +8,7 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -261,6 +262,29 @@ static int parse_bool(struct json *j, int *flag)
 	return 0;
 }
 
+/* A size key: a JSON integer of decimal digits sets *size (at most what an
+ * unsigned long long holds); any other value is skipped and leaves it. */
+static int parse_size(struct json *j, unsigned long long *size)
+{
+	const char *start = j->p;
+	unsigned long long n = 0;
+
+	while (j->p < j->end && *j->p >= '0' && *j->p <= '9') {
+		unsigned d = (unsigned)(*j->p - '0');
+
+		if (n > (ULLONG_MAX - d) / 10)
+			break;
+		n = n * 10 + d;
+		j->p++;
+	}
+	if (j->p > start && (j->p == j->end || strchr(",} \t\r\n", *j->p) != NULL)) {
+		*size = n;
+		return 0;
+	}
+	j->p = start;
+	return json_skip(j, 0);
+}
+
 /* One "key": value of the object; the last of a repeated key counts. */
 static int parse_member(struct json *j, struct vn_env_config *out)
 {
@@ -282,6 +306,8 @@ static int parse_member(struct json *j, struct vn_env_config *out)
 		rc = parse_bool(j, &out->make_default);
 	else if (strcmp(key, "warn_stderr") == 0)
 		rc = parse_bool(j, &out->warn_stderr);
+	else if (strcmp(key, "max_db_size") == 0)
+		rc = parse_size(j, &out->max_db_size);
 	else
 		rc = json_skip(j, 0);
 	free(key);
@@ -342,6 +368,7 @@ static void config_defaults(struct vn_env_config *config)
 	config->spool_bad = NULL;
 	config->make_default = 0;
 	config->warn_stderr = -1;
+	config->max_db_size = 0;
 }
 
 void vn_config_free(struct vn_env_config *config)

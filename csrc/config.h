@@ -1,6 +1,6 @@
 /*
  * The writer's reading of VERNEUIL_CONFIG (a JSON object, or "@file"):
- * replication_spooling_dir, make_default and warn_stderr; every other key
+ * replication_spooling_dir, make_default, warn_stderr and max_db_size; every other key
  * belongs to the copier and the reader and is skipped.  The one reader of
  * it for the writer: the loadable extension (vfs.c) and writer_vfs (through
  * verneuil_vfs_config_from_env) both use vn_config_from_env().
@@ -25,6 +25,9 @@ struct vn_env_config {
 	char *spool_bad;
 	int make_default; /* "make_default": true */
 	int warn_stderr;  /* "warn_stderr": 0 or 1; -1 when absent */
+	/* "max_db_size": a non-negative JSON integer (bytes); 0 when absent
+	 * or not such a number. */
+	unsigned long long max_db_size;
 };
 
 /*

@@ -30,6 +30,10 @@ static_assert(sizeof(sqlite3_int64) == 8, "file offsets are 64-bit");
 static_assert(sizeof(size_t) >= 8, "chunk word counts of any file fit");
 static_assert(VN_MANIFEST_IOV <= VN_SPOOL_IOV_MAX,
     "a manifest's pieces fit in one published file's writev");
+static_assert((VN_MAX_DB_SIZE / VN_CHUNK_SIZE) * 16 +
+    (VN_MANIFEST_MAX_EXTRA + 1) * (VN_CHUNK_SIZE + 16) + 4096 <=
+    VN_MAX_MANIFEST_BYTES, "a database of VN_MAX_DB_SIZE has a manifest "
+    "under the cap, whatever it bundles");
 static_assert(VN_TOPS_MAX_CHUNKS <= VN_MANIFEST_MAX_EXTRA,
     "every chunk btree_tops may choose can be encoded");
 
@@ -727,7 +731,8 @@ static void read_version_id(struct build *b)
  * VN_SNAPSHOT_EMPTY or VN_SNAPSHOT_WAL when there is nothing to snapshot;
  * VN_SNAPSHOT_FAILED with b->what set.
  */
-static enum vn_snapshot_result read_current(struct build *b)
+static enum vn_snapshot_result read_current(struct build *b,
+    uint64_t max_db_size)
 {
 	struct vn_tracker *t = b->t;
 	size_t hn;
@@ -743,6 +748,8 @@ static enum vn_snapshot_result read_current(struct build *b)
 	}
 	if (b->size == 0)
 		return VN_SNAPSHOT_EMPTY;
+	if ((uint64_t)b->size > max_db_size)
+		return VN_SNAPSHOT_TOO_LARGE;
 	if (ensure_buffers(t) != 0) {
 		fail_with(b, "allocate buffers", ENOMEM);
 		return VN_SNAPSHOT_FAILED;
@@ -1356,6 +1363,26 @@ static int drop_free_pages(struct build *b, const struct vn_wal_pos *end,
 }
 
 /*
+ * A file past max_db_size: no snapshot (the staged one, and the store's
+ * copy, stay at the last state under the bound).  Said once per file and
+ * growth past the bound, on stderr too: the database stops replicating.
+ */
+static enum vn_snapshot_result too_large(struct build *b, uint64_t max_db_size)
+{
+	struct vn_tracker *t = b->t;
+
+	t->stats.too_large++;
+	if (!t->too_large_said) {
+		t->too_large_said = 1;
+		vn_warn("verneuil: %s: %lld bytes, past max_db_size (%llu bytes): "
+		    "NOT replicated from now on (the commit stands; the store "
+		    "keeps the last copy under the bound)", t->path,
+		    (long long)b->size, (unsigned long long)max_db_size);
+	}
+	return VN_SNAPSHOT_TOO_LARGE;
+}
+
+/*
  * Whether the file holds the database.  SQLite writes every page it adds
  * as a frame, so a page of the committed state past the file's end has one,
  * but for the page of its lock bytes and freelist leaves (their bytes are
@@ -1433,11 +1460,14 @@ enum vn_snapshot_result vn_tracker_snapshot_wal(struct vn_tracker *t,
 	if (!file_is_whole(&b, &r.pos))
 		return VN_SNAPSHOT_SPLIT;
 	wal_size(&b, &r.pos);
-	res = read_current(&b);
+	res = read_current(&b, config->max_db_size);
 	if (res == VN_SNAPSHOT_FAILED)
 		return abandon(&b);
+	if (res == VN_SNAPSHOT_TOO_LARGE)
+		return too_large(&b, config->max_db_size);
 	if (res != VN_SNAPSHOT_DONE)
 		return res;
+	t->too_large_said = 0;
 	if (stage_chunks(&b, config->bundle_chunks) != 0)
 		return abandon(&b);
 	describe_snapshot(&b);
@@ -1483,11 +1513,14 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 	    .patch_header = into_wal };
 	enum vn_snapshot_result res;
 
-	res = read_current(&b);
+	res = read_current(&b, config->max_db_size);
 	if (res == VN_SNAPSHOT_FAILED)
 		return abandon(&b);
+	if (res == VN_SNAPSHOT_TOO_LARGE)
+		return too_large(&b, config->max_db_size);
 	if (res != VN_SNAPSHOT_DONE)
 		return res; /* empty or WAL: nothing to snapshot */
+	t->too_large_said = 0;
 	if (open_session(&b) != 0)
 		return abandon(&b);
 	judge_staged(&b);

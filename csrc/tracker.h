@@ -66,7 +66,20 @@ struct vn_tracker_stats {
 	uint64_t wal;         /* snapshots of WAL commits (of full, incremental
 	                       * and unchanged) */
 	uint64_t wal_frames;  /* WAL frames read as changes */
+	uint64_t too_large;   /* refused: the file is past max_db_size */
 };
+
+/*
+ * The largest database the writer replicates (max_db_size's default and
+ * ceiling): whose manifest fits Verneuil's cap on a manifest
+ * (VN_MAX_MANIFEST_BYTES) with room for the bundled chunks (2 MiB) and the
+ * other fields (64 KiB), at 16 bytes per chunk: about 1.5 TiB.  The copier
+ * and `verneuilctl lag` use the same bound (verneuil_fuse.format,
+ * MAX_REPLICATED_DB_SIZE).
+ */
+#define VN_MAX_DB_SIZE \
+	((uint64_t)((VN_MAX_MANIFEST_BYTES - (2u << 20) - (64u << 10)) / 16) * \
+	    VN_CHUNK_SIZE)
 
 /* A spool short of space stays so for a while (until copiers ship what it
  * holds): its abandoned snapshots are logged once a minute per database, not
@@ -128,6 +141,7 @@ struct vn_tracker {
 	struct vn_tracker_stats stats;
 	int64_t low_space_logged_at; /* CLOCK_MONOTONIC seconds; 0: never */
 	int64_t abandon_warned_at;   /* the same, for other abandons on stderr */
+	int too_large_said;        /* the file past max_db_size was said */
 };
 
 /* gc_weight: GC runs with probability gc_weight * (chunks staged now) /
@@ -141,6 +155,8 @@ struct vn_snapshot_config {
 	/* The byte whose page holds SQLite's lock bytes, a page SQLite never
 	 * writes: 2^30 (SQLITE_TESTCTRL_PENDING_BYTE may move it). */
 	uint64_t pending_byte;
+	uint64_t max_db_size; /* a larger file is not replicated (at most
+	                       * VN_MAX_DB_SIZE) */
 };
 
 /* canon_path: the file's canonical path (the spool's key and the xattrs');
@@ -169,6 +185,7 @@ enum vn_snapshot_result {
 	VN_SNAPSHOT_SPLIT,   /* WAL: the state has pages neither the file nor
 			      * the WAL holds: the file is a piece of a
 			      * database that a VFS above us splits */
+	VN_SNAPSHOT_TOO_LARGE, /* past max_db_size: not replicated (said once) */
 };
 
 /* Brings staging up to date with `db` after a rollback-journal commit

@@ -46,8 +46,8 @@ int verneuil_vfs_register(const char *spool_dir, int make_default);
 
 /*
  * Same, configured from the VERNEUIL_CONFIG environment variable (JSON, or
- * "@/path/to/file.json"): keys `replication_spooling_dir`, `make_default`
- * and `warn_stderr`.  Without the variable, replication is disabled; an
+ * "@/path/to/file.json"): keys `replication_spooling_dir`, `make_default`,
+ * `warn_stderr` and `max_db_size` (see verneuil_vfs_set_max_db_size).  Without the variable, replication is disabled; an
  * unusable one is logged and replicates nothing.
  */
 int verneuil_vfs_register_from_env(void);
@@ -57,15 +57,29 @@ int verneuil_vfs_register_from_env(void);
  * that registers the VFS itself (writer_vfs): replication_spooling_dir into
  * spool[0, spool_cap) ("" for none) and its length into *spool_len (when
  * that is spool_cap or more it was cut: call again with more room);
- * make_default (0 or 1) and warn_stderr (0 or 1; -1 when absent).  Returns
+ * make_default (0 or 1), warn_stderr (0 or 1; -1 when absent) and
+ * max_db_size (0 when absent).  Returns
  * 0; -1 when the config is unusable (nothing replicates, no key applies);
  * 1 when only replication_spooling_dir is (nothing replicates, the other
  * keys apply).  Then why[0, why_cap) holds the sentence to log, the same
  * as verneuil_vfs_register_from_env() logs.
  */
 int verneuil_vfs_config_from_env(char *spool, size_t spool_cap,
-    size_t *spool_len, int *make_default, int *warn_stderr, char *why,
-    size_t why_cap);
+    size_t *spool_len, int *make_default, int *warn_stderr,
+    unsigned long long *max_db_size, char *why, size_t why_cap);
+
+/*
+ * The largest database replicated: a file past it is not snapshotted (its
+ * staged snapshot and the store's copy stay at the last state under the
+ * bound), said once on stderr and in the log, and counted as too_large.
+ * The default and the most allowed is verneuil_vfs_max_db_size_limit()
+ * (about 1.5 TiB: the largest whose manifest fits Verneuil's 384 MiB cap);
+ * copiers and `verneuilctl lag` apply the same bound (VERNEUIL_CONFIG's
+ * max_db_size).  Returns the previous bound, or 0 (and changes nothing)
+ * for 0 or a bound past the limit.
+ */
+unsigned long long verneuil_vfs_set_max_db_size(unsigned long long n);
+unsigned long long verneuil_vfs_max_db_size_limit(void);
 
 /*
  * GC runs after a snapshot with probability weight * (chunks staged by that

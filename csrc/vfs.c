@@ -85,6 +85,7 @@ struct vn_config {
 	char *spool_dir;       /* NULL: replication disabled */
 	double gc_weight;
 	size_t bundle_chunks;
+	uint64_t max_db_size;  /* files past it are not replicated */
 	struct vn_keys keys;   /* immutable once initialised */
 };
 
@@ -92,6 +93,7 @@ static struct vn_config vn_config = {
 	.mutex = PTHREAD_MUTEX_INITIALIZER,
 	.gc_weight = VN_GC_WEIGHT_DEFAULT,
 	.bundle_chunks = VN_BUNDLE_CHUNKS_DEFAULT,
+	.max_db_size = VN_MAX_DB_SIZE,
 };
 
 /* State of one wrapped main database file. */
@@ -263,6 +265,7 @@ static void snapshot_config(struct vn_snapshot_config *sc)
 	pthread_mutex_lock(&cfg->mutex);
 	sc->gc_weight = cfg->gc_weight;
 	sc->bundle_chunks = cfg->bundle_chunks;
+	sc->max_db_size = cfg->max_db_size;
 	pthread_mutex_unlock(&cfg->mutex);
 	sc->pending_byte = pending > 0 ? (uint64_t)pending : VN_PENDING_BYTE;
 }
@@ -381,8 +384,8 @@ static int pragma(sqlite3_file *f, char **args)
 		args[0] = sqlite3_mprintf("full=%llu incremental=%llu "
 		    "unchanged=%llu failed=%llu hot_journal=%llu "
 		    "verify_mismatch=%llu ready=%llu gc=%llu gc_removed=%llu "
-		    "staged=%llu bundled=%llu low_space=%llu wal=%d "
-		    "wal_snapshots=%llu wal_frames=%llu wal_unreplicated=%d "
+		    "staged=%llu bundled=%llu low_space=%llu too_large=%llu "
+		    "wal=%d wal_snapshots=%llu wal_frames=%llu wal_unreplicated=%d "
 		    "no_xattr=%d",
 		    (unsigned long long)s->full,
 		    (unsigned long long)s->incremental,
@@ -394,7 +397,8 @@ static int pragma(sqlite3_file *f, char **args)
 		    (unsigned long long)s->gc_removed,
 		    (unsigned long long)s->staged,
 		    (unsigned long long)s->bundled,
-		    (unsigned long long)s->low_space, db->wal,
+		    (unsigned long long)s->low_space,
+		    (unsigned long long)s->too_large, db->wal,
 		    (unsigned long long)s->wal,
 		    (unsigned long long)s->wal_frames, db->shm_above || db->split,
 		    db->tracker.no_xattr);
@@ -901,6 +905,24 @@ int verneuil_vfs_set_bundle_chunks(int n)
 	return old;
 }
 
+unsigned long long verneuil_vfs_set_max_db_size(unsigned long long n)
+{
+	unsigned long long old;
+
+	if (n == 0 || n > VN_MAX_DB_SIZE)
+		return 0;
+	pthread_mutex_lock(&vn_config.mutex);
+	old = vn_config.max_db_size;
+	vn_config.max_db_size = n;
+	pthread_mutex_unlock(&vn_config.mutex);
+	return old;
+}
+
+unsigned long long verneuil_vfs_max_db_size_limit(void)
+{
+	return VN_MAX_DB_SIZE;
+}
+
 void verneuil_vfs_set_log_stderr(int on)
 {
 	vn_log_set_stderr(on);
@@ -938,14 +960,19 @@ int verneuil_vfs_register_from_env(void)
 		vn_log(SQLITE_WARNING, "verneuil: %s", why);
 	if (cfg.warn_stderr >= 0)
 		verneuil_vfs_set_warn_stderr(cfg.warn_stderr);
+	if (cfg.max_db_size != 0 &&
+	    verneuil_vfs_set_max_db_size(cfg.max_db_size) == 0)
+		vn_log(SQLITE_WARNING, "verneuil: " VN_CONFIG_ENV ": max_db_size "
+		    "%llu is out of range (1 to %llu bytes): ignored",
+		    cfg.max_db_size, (unsigned long long)VN_MAX_DB_SIZE);
 	rc = verneuil_vfs_register(cfg.spool, cfg.make_default);
 	vn_config_free(&cfg);
 	return rc;
 }
 
 int verneuil_vfs_config_from_env(char *spool, size_t spool_cap,
-    size_t *spool_len, int *make_default, int *warn_stderr, char *why,
-    size_t why_cap)
+    size_t *spool_len, int *make_default, int *warn_stderr,
+    unsigned long long *max_db_size, char *why, size_t why_cap)
 {
 	struct vn_env_config cfg;
 	int rc;
@@ -958,6 +985,7 @@ int verneuil_vfs_config_from_env(char *spool, size_t spool_cap,
 		snprintf(spool, spool_cap, "%s", cfg.spool != NULL ? cfg.spool : "");
 	*make_default = cfg.make_default;
 	*warn_stderr = cfg.warn_stderr;
+	*max_db_size = cfg.max_db_size;
 	vn_config_free(&cfg);
 	return rc;
 }

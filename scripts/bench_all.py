@@ -1131,11 +1131,13 @@ def chunk_path_run(url: str, objects: list, work: str) -> dict:
     engine = CurlEngine(CHUNK_PATH_IN_FLIGHT)
     done = threading.Semaphore(0)
     errors: list = []
-    engine_tid: set = set()
+    # The engine thread's CPU since it started, read on that thread after
+    # each answer (clock_gettime's thread clock: nanoseconds, where
+    # /proc's ticks of 10 ms round a quick run's few chunks to 0).
+    engine_cpu = [0.0]
     slot = iter(range(nchunks))
 
     def answer(group, result) -> None:  # on the engine's thread
-        engine_tid.add(str(threading.get_native_id()))
         try:
             if isinstance(result, OSError) or result.status != 200:
                 raise RuntimeError("GET failed: %r" % (result,))
@@ -1146,6 +1148,7 @@ def chunk_path_run(url: str, objects: list, work: str) -> dict:
         except Exception as e:  # noqa: BLE001 - counted, then raised below
             errors.append(e)
         finally:
+            engine_cpu[0] = time.thread_time()
             done.release()
 
     def wait_answer() -> None:
@@ -1154,7 +1157,7 @@ def chunk_path_run(url: str, objects: list, work: str) -> dict:
 
     try:
         engine.submit_many([])  # its thread started
-        c0, t0 = thread_cpu_seconds(os.getpid()), time.monotonic()
+        c0, t0 = time.thread_time(), time.monotonic()
         # Submitted as answers come back, a few in the engine's queue beyond
         # those in flight, as the mount's readahead does (not thousands at
         # once: their objects would weigh on every pass of Python's garbage
@@ -1169,7 +1172,7 @@ def chunk_path_run(url: str, objects: list, work: str) -> dict:
                                 for name, group in objects[i:i + CHUNK_PATH_BATCH]])
         for _ in range(len(objects) - answered):
             wait_answer()
-        dt, c1 = time.monotonic() - t0, thread_cpu_seconds(os.getpid())
+        dt, c1 = time.monotonic() - t0, time.thread_time()
     finally:
         engine.close()
         sink.close()
@@ -1177,8 +1180,7 @@ def chunk_path_run(url: str, objects: list, work: str) -> dict:
         raise RuntimeError("chunk path: %d answers failed, first: %s" % (len(errors), errors[0]))
     # This thread's CPU and the engine's, not the process's: the proxy's
     # threads and what earlier phases left run beside.
-    cpu = sum(c1[tid][1] - c0.get(tid, ("", 0.0))[1]
-              for tid in {str(threading.get_native_id()), *engine_tid} if tid in c1)
+    cpu = c1 - c0 + engine_cpu[0]
     return {"GETs": len(objects), "s": round(dt, 3), "chunks_per_s": round(nchunks / dt),
             "cpu_ms_per_chunk": round(cpu * 1e3 / nchunks, 3)}
 

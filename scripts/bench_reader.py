@@ -5,7 +5,9 @@
         [--concurrency 16] [--points 5] [--json out.json]
 
 The replica is made for real: one commit through the C VFS (a full snapshot,
-with the b-tree tops the writer bundles), shipped by the copier.
+with the b-tree tops the writer bundles), shipped by the copier, in the
+store layout ``--layout`` names (Verneuil's ``chunks``, default, or
+``packed``: docs/FORMAT.md, "Packed layout"; the mount reads both alike).
 
 What it measures (each "cold" figure on a fresh mount with an empty cache):
 - cold point query: open the replica with sqlite3 (mode=ro) and look up one
@@ -16,7 +18,8 @@ What it measures (each "cold" figure on a fresh mount with an empty cache):
 - warm read: a new mount over the filled disk cache (page cache dropped),
   then again with the page cache hot; the same for the local source file;
 - store ceiling: parallel GETs (``--concurrency`` threads, boto3, no FUSE) of
-  the same chunk blobs through the same proxy: MB/s and GETs/s.
+  the same chunk blobs through the same proxy (a range GET each, in the
+  packed layout): MB/s and GETs/s.
 
 Needs root (mounts) and moto[server]. The documented target size is 1 GiB
 (``--size-mb 1024``); the default runs in a few minutes on 2 cores.
@@ -46,6 +49,7 @@ from support.s3server import S3Server, fake_aws_env, patched_environ  # noqa: E4
 from verneuil_fuse.format import (  # noqa: E402
     CHUNK_SIZE,
     ZERO_CHUNK_FPRINT,
+    chunk_source,
     decode_and_validate,
     local_hostname,
     manifest_name,
@@ -94,7 +98,7 @@ class Bench:
         self.args = args
         self.tmp = tempfile.mkdtemp(prefix="bench-reader-")
         self.results: dict = {"size_mb": args.size_mb, "latency_ms": args.latency_ms,
-                              "concurrency": args.concurrency}
+                              "concurrency": args.concurrency, "layout": args.layout}
         self.n_mounts = 0
 
     def mount(self, cache: str | None = None) -> Mount:
@@ -117,7 +121,7 @@ class Bench:
         with patched_environ(fake_aws_env()):
             server = S3Server(log_dir=self.tmp)
             try:
-                store = server.make_store(max_pool_connections=64)
+                store = server.make_store(max_pool_connections=64, layout=a.layout)
                 self.url = store.url
                 t = time.monotonic()
                 self._upload(store, src)
@@ -138,8 +142,11 @@ class Bench:
         self.where = replicate(store, src, os.path.join(self.tmp, "spool"))
         manifest = decode_and_validate(store.manifests.get(manifest_name(src, local_hostname())))
         self.results["bundled_chunks"] = sorted(manifest.bundled)
-        self.chunk_names = sorted({fp.name for i, fp in enumerate(manifest.chunks)
-                                   if i != 0 and fp != ZERO_CHUNK_FPRINT})
+        # Where each stored chunk is: a chunk object, or a range of a pack.
+        self.chunk_sources = sorted({chunk_source(manifest, i) for i, fp in enumerate(manifest.chunks)
+                                     if i != 0 and fp != ZERO_CHUNK_FPRINT})
+        if manifest.layout is not None:
+            self.results["packs"] = len(manifest.layout.packs)
 
     def _db(self, m: Mount) -> str:
         return m.path(self.where)
@@ -235,12 +242,15 @@ class Bench:
         print("warm: %s" % self.results["warm_read"])
 
     def _ceiling(self, store, data):
-        names = self.chunk_names
+        names = self.chunk_sources
         total = [0]
         lock = threading.Lock()
 
-        def get(name):
-            blob = store.chunks.get(name)
+        def get(source):
+            if source.ranged:
+                blob = store.chunks.get_range(source.key, source.start, source.end)
+            else:
+                blob = store.chunks.get(source.key)
             with lock:
                 total[0] += len(blob)
 
@@ -268,6 +278,8 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=16, help="mount's concurrency= and ceiling threads")
     p.add_argument("--points", type=int, default=5, help="cold point queries of each kind (default 5)")
     p.add_argument("--options", default="", help="extra mount options")
+    p.add_argument("--layout", choices=("chunks", "packed"), default="chunks",
+                   help="the store layout the copier writes (default chunks, Verneuil's)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = p.parse_args(argv)

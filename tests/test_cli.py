@@ -25,7 +25,7 @@ VECTORS = pathlib.Path(__file__).parent / "data" / "umash_verneuil.json"
 CTL = [sys.executable, "-m", "verneuil_fuse.cli"]
 # Every subcommand, in the order `verneuilctl --help` lists them.
 SUBCOMMANDS = ["fingerprint", "manifest-name", "sqlite-extension", "copier", "flush", "sync",
-               "restore", "versions", "ls", "manifest", "lag", "repair", "query"]
+               "restore", "versions", "ls", "manifest", "lag", "repair", "convert", "query"]
 
 
 @pytest.fixture(scope="module")
@@ -259,6 +259,43 @@ def test_lag_reports_pending_then_in_sync(replicated, tmp_path):
     assert w.path in text and "behind" in text
     proc = run(["lag", "--spool", spool, "--no-store"])
     assert proc.returncode == 0 and "pending for" in proc.stdout.decode()
+    # Behind by more than --max-lag: exit 3, a monitoring check's "not OK".
+    time.sleep(0.3)
+    proc = run(["lag", "--store", url, "--spool", spool, "--max-lag", "0.2"])
+    assert proc.returncode == 3 and "behind" in proc.stdout.decode(), proc.stdout
+    assert run(["lag", "--store", url, "--spool", spool, "--max-lag", "600"]).returncode == 0
+
+
+def test_log_lines_carry_the_time_unless_journald_does(tmp_path):
+    """Log lines start with the time, the program and its PID; on the
+    journal's stream (JOURNAL_STREAM names stderr's device and inode, as
+    systemd sets it) they are the level and the message alone."""
+    import re
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    args = CTL + ["-v", "flush", "--store", "file://%s/store" % tmp_path, "--spool", str(spool)]
+    env = {k: v for k, v in os.environ.items() if k not in ("VERNEUIL_CONFIG", "JOURNAL_STREAM")}
+    plain = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    assert plain.returncode == 0, plain.stderr
+    lines = plain.stderr.splitlines()
+    assert lines and all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d{4} verneuilctl\[\d+\] INFO: ", line)
+                         for line in lines), lines
+    r, w = os.pipe()
+    try:
+        st = os.fstat(w)
+        journal = dict(env, JOURNAL_STREAM="%d:%d" % (st.st_dev, st.st_ino))
+        proc = subprocess.Popen(args, stderr=w, env=journal)
+        os.close(w)
+        w = -1
+        with os.fdopen(r, "r") as f:
+            r = -1
+            text = f.read()
+        assert proc.wait(60) == 0
+    finally:
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
+    assert text.splitlines() and all(line.startswith("INFO: flush") for line in text.splitlines()), text
 
 
 def test_lag_sees_writes_that_were_not_snapshotted(replicated):
@@ -273,8 +310,64 @@ def test_lag_sees_writes_that_were_not_snapshotted(replicated):
     (db,) = json.loads(run(["lag", "--store", url, "--spool", spool, "--json"]).stdout)
     assert db["in_sync"] is False and db["source_changed"] is True and db["lag"] > 0
     assert db["manifests"][0]["in_store"] == "current"
-    text = run(["lag", "--store", url, "--spool", spool]).stdout.decode()
+    proc = run(["lag", "--store", url, "--spool", spool])
+    text = proc.stdout.decode()
     assert "behind" in text and "source changed since" in text and "in sync" not in text
+    assert proc.returncode == 3  # not replicated, however recent
+
+
+@pytest.mark.skipif(not vfs_available(), reason="writer_vfs is not built")
+def test_lag_of_a_database_in_wal_from_its_first_commit(tmp_path):
+    """A database in WAL mode from its first commit is snapshotted at that
+    commit (its last commits still in the WAL): lag says WAL mode, pending
+    without a store, and in sync (exit 0) once flushed."""
+    import writer_vfs
+    spool = str(tmp_path / "spool")
+    store = "file://%s/store" % tmp_path
+    writer_vfs.register(spool)
+    writer_vfs.set_warn_stderr(False)
+    con = writer_vfs.connect(str(tmp_path / "w.db"))
+    try:
+        con.execute("PRAGMA journal_mode=WAL")
+        con.execute("CREATE TABLE t(x)")
+        con.commit()
+        (db,) = json.loads(run(["lag", "--spool", spool, "--no-store", "--json"]).stdout)
+        assert db["snapshotted"] is not False and db["wal"] is True and db["source_changed"] is False, db
+        text = run(["lag", "--spool", spool, "--no-store"]).stdout.decode()
+        assert "[WAL mode]" in text and "never snapshotted" not in text and "NOT" not in text, text
+        assert run(["flush", "--store", store, "--spool", spool]).returncode == 0
+        proc = run(["lag", "--spool", spool, "--store", store])
+        text = proc.stdout.decode()
+        assert proc.returncode == 0 and "in sync [WAL mode]" in text, text
+    finally:
+        con.close()
+
+
+@pytest.mark.skipif(not vfs_available(), reason="writer_vfs is not built")
+def test_lag_of_a_database_never_snapshotted(tmp_path):
+    """A spool directory with no snapshot in it (as a writer whose snapshots
+    were all abandoned leaves it): lag says never snapshotted (never "in
+    sync"), with or without a store, and exits 3."""
+    import shutil
+    import writer_vfs
+    spool = str(tmp_path / "spool")
+    writer_vfs.register(spool)
+    con = writer_vfs.connect(str(tmp_path / "w.db"))
+    con.execute("CREATE TABLE t(x)")
+    con.commit()
+    con.close()
+    (dbdir,) = [os.path.join(d, sub) for d, subs, _ in os.walk(spool) for sub in subs
+                if os.path.isdir(os.path.join(d, sub, "staging"))]
+    shutil.rmtree(os.path.join(dbdir, "ready"))
+    for name in os.listdir(os.path.join(dbdir, "staging", "meta")):
+        os.unlink(os.path.join(dbdir, "staging", "meta", name))
+    for where in (["--store", "file://%s/store" % tmp_path], ["--no-store"]):
+        proc = run(["lag", "--spool", spool] + where)
+        text = proc.stdout.decode()
+        assert proc.returncode == 3, (where, text)
+        assert "never snapshotted" in text and "in sync" not in text, text
+        (db,) = json.loads(run(["lag", "--spool", spool, "--json"] + where).stdout)
+        assert db["snapshotted"] is False and db["in_sync"] in (False, None), db
 
 
 def test_flush_timeout_stops_uploads_midway(tmp_path):

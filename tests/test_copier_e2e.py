@@ -20,7 +20,7 @@ from verneuil_fuse.copier import (Copier, fetch_manifest, restore_bytes,
 from verneuil_fuse.copier import spool as sp
 from verneuil_fuse.store import open_store
 
-from support.copier_support import (WRITER_KINDS, Writer, counter_of, store_counter,
+from support.copier_support import (WRITER_KINDS, CopierDaemon, Writer, counter_of, store_counter,
                                  wait_for)
 
 VERNEUILCTL = [sys.executable, "-m", "verneuil_fuse.cli"]
@@ -272,81 +272,67 @@ def test_sigterm_ends_an_idle_copier_at_once(spool, tmp_path):
         p.stderr.close()
 
 
-class CopierDaemon:
-    """`verneuilctl copier` in a child process, its log read as it comes:
-    `until(text)` reads lines until one holds `text` (bounded); `stop()`
-    sends SIGTERM, checks the clean exit and returns all it logged; as a
-    context manager it always ends the process."""
-
-    def __init__(self, spool: str, store_url: str, *extra: str):
-        self.proc = subprocess.Popen(VERNEUILCTL + ["copier", "--store", store_url, "--spool", spool,
-                                                    "--poll-interval", "0.05", *extra],
-                                     stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-
-    def until(self, text: str, timeout: float = 30.0) -> str:
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.lines) and time.monotonic() < deadline:
-            self.lines.append(self.proc.stderr.readline())
-        return "".join(self.lines)
-
-    def stop(self) -> str:
-        self.proc.send_signal(signal.SIGTERM)
-        assert self.proc.wait(15) == 0
-        return "".join(self.lines) + self.proc.stderr.read()
-
-    def __enter__(self) -> "CopierDaemon":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-        self.proc.stderr.close()
-
-
 def test_the_copier_daemon_says_what_it_does(spool, tmp_path):
     """At its default level, `verneuilctl copier` logs its start (spool, store,
-    pacing), each database it starts replicating (once), and its stop."""
+    pacing), each database it starts replicating (once, in a short line), the
+    signal that stops it and its stop, in words; every line starts with its
+    time, the program and its PID. `--pidfile` holds its PID while it runs
+    (a second copier with the same pidfile is refused in one line) and goes
+    at its stop."""
+    import re
+    pidfile = str(tmp_path / "copier.pid")
+    url = "file://%s/store" % tmp_path
     w = Writer("py", spool, str(tmp_path / "app.db"))
     try:
-        with CopierDaemon(spool, "file://%s/store" % tmp_path) as daemon:
+        with CopierDaemon(spool, url, "--pidfile", pidfile) as daemon:
             daemon.until("copier started")
+            with open(pidfile) as f:
+                assert f.read() == "%d\n" % daemon.proc.pid
+            second = subprocess.run(VERNEUILCTL + ["copier", "--store", url, "--spool", spool, "--pidfile", pidfile],
+                                    capture_output=True, text=True, timeout=60)
+            assert second.returncode == 1 and second.stderr.count("\n") == 1, second.stderr
+            assert "pidfile %s names process %d, which is running" % (pidfile, daemon.proc.pid) in second.stderr
             w.bump()
             w.bump()
             daemon.until("replicating")
-            store = open_store("file://%s/store" % tmp_path)
+            store = open_store(url)
             assert wait_for(lambda: store_counter(store, w.name, str(tmp_path)) == 2, 20)
             w.bump()
             assert wait_for(lambda: store_counter(store, w.name, str(tmp_path)) == 3, 20)
             text = daemon.stop()
     finally:
         w.close()
+    assert not os.path.exists(pidfile)
     assert "copier started: spool %s -> " % spool in text and "30 requests/s" in text, text
-    assert text.count("replicating ") == 1 and os.path.realpath(str(tmp_path / "app.db")) in text, text
-    assert "copier stopped" in text, text
+    source = os.path.realpath(str(tmp_path / "app.db"))
+    assert text.count("replicating ") == 1 and "replicating %s\n" % source in text, text
+    assert re.search(r"got signal 15 \(SIGTERM\), stopping", text), text
+    assert re.search(r"copier stopped: \d+ passes, \d+ chunks uploaded", text), text
+    for line in text.splitlines():
+        assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d{4} verneuilctl\[%d\] (INFO|WARNING): "
+                        % daemon.proc.pid, line), line
+        assert "{" not in line and len(line) < 200 + len(spool) + len(url), line
     assert "Traceback" not in text
 
 
 def _scrape(url: str) -> dict:
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-    with urllib.request.urlopen(url, timeout=10) as r:
-        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    from support.metrics_check import parse, scrape
+    return {k: v for k, (_type, v) in parse(scrape(url)).items()}
 
 
 def test_the_copier_daemon_serves_metrics(spool, tmp_path):
     """`verneuilctl copier --metrics-port 0` logs the address it serves;
-    a scrape parses with prometheus_client's parser and carries the
-    copier's counters (the numbers it logs at its stop) and the spool's lag
-    per database; a port in use is a one-line error."""
-    import ast
+    a scrape passes Debian's `promtool check metrics`, parses with
+    prometheus_client's parser and carries the copier's counters (the
+    numbers it logs at its stop) and the spool's lag per database, labelled
+    with the host and source path the mount labels it with; a port in use is
+    a one-line error."""
     import re
+
+    from support.metrics_check import promtool_check, promtool_missing, scrape
+    from verneuil_fuse.format import local_hostname
     source = os.path.realpath(str(tmp_path / "app.db"))
+    db = (("host", local_hostname()), ("path", source))
     url = "file://%s/store" % tmp_path
     w = Writer("py", spool, source)
     try:
@@ -358,13 +344,18 @@ def test_the_copier_daemon_serves_metrics(spool, tmp_path):
                 w.bump()
             store = open_store(url)
             assert wait_for(lambda: store_counter(store, w.name, str(tmp_path)) == 3, 20)
-            assert wait_for(lambda: _scrape(metrics_url)[("verneuil_spool_pending_bytes", (("db", source),))] == 0,
-                            20)
+            assert wait_for(lambda: _scrape(metrics_url)[("verneuil_spool_pending_bytes", db)] == 0, 20)
             m = _scrape(metrics_url)
             assert m[("verneuil_copier_manifests_uploaded_total", ())] >= 1
             assert m[("verneuil_copier_passes_total", ())] >= 1
-            assert m[("verneuil_spool_wal", (("db", source),))] == 0
+            assert m[("verneuil_spool_wal", db)] == 0
+            assert m[("verneuil_spool_snapshotted", db)] == 1
+            assert m[("verneuil_spool_lag_seconds", db)] == 0
+            assert time.time() - 60 < m[("verneuil_copier_last_upload_timestamp_seconds", ())] <= time.time()
             assert any(k[0] == "verneuil_copier_info" and ("spool", spool) in k[1] for k in m), m
+            assert any(k[0] == "verneuil_copier_settings_info" and ("rate", "30") in k[1] for k in m), m
+            if promtool_missing() is None:
+                promtool_check(scrape(metrics_url))
             # A second copier on the same port: a clear error, not a traceback.
             busy = subprocess.run(VERNEUILCTL + ["copier", "--store", url, "--spool", spool,
                                                  "--metrics-port", str(port)],
@@ -374,6 +365,8 @@ def test_the_copier_daemon_serves_metrics(spool, tmp_path):
             text = daemon.stop()
     finally:
         w.close()
-    final = ast.literal_eval(re.search(r"copier stopped: (\{.*\})", text).group(1))
-    assert final["manifests_uploaded"] == m[("verneuil_copier_manifests_uploaded_total", ())]
-    assert final["chunks_uploaded"] == m[("verneuil_copier_chunks_uploaded_total", ())]
+    final = re.search(r"copier stopped: \d+ passes, (\d+) chunks uploaded \(\d+ bytes sent\), (\d+) manifests "
+                      r"uploaded, \d+ requests, \d+ errors$", text, re.M)
+    assert final, text
+    assert int(final.group(2)) == m[("verneuil_copier_manifests_uploaded_total", ())]
+    assert int(final.group(1)) == m[("verneuil_copier_chunks_uploaded_total", ())]

@@ -277,7 +277,7 @@ def test_progress_lines_with_verbose(local_store, tmp_path, monkeypatch, caplog,
     pub = publish_file(local_store, db, hostname=fmt.local_hostname())
     for name in live_chunks(pub.manifest):
         local_store.chunks.delete(name)
-    monkeypatch.setattr(cli.repair_cmds, "REPAIR_PROGRESS_INTERVAL", 0.0)
+    monkeypatch.setattr(cli.common, "PHASE_PROGRESS_INTERVAL", 0.0)
     caplog.set_level(logging.INFO, logger="verneuilctl")
     assert cli.main(["repair", "-v", "--store", local_store.url, db]) == cli.EXIT_OK
     lines = [r.getMessage() for r in caplog.records if r.name == "verneuilctl"]

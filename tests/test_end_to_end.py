@@ -7,6 +7,7 @@ import csv
 import glob
 import os
 import random
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -121,3 +122,46 @@ def test_verneuilctl_query_writes_csv(chain):
     assert proc.stderr.strip().splitlines()[-1].endswith("no such column: nope"), proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 2, proc.stderr[-2000:]  # the count, the error
     assert "Traceback" not in proc.stderr
+
+
+def test_verneuilctl_query_union_aggregates_across_databases(chain):
+    """`--union`: the SQL runs once, in Spark SQL, over the union of the
+    table across every replica (with _source), so one count and one sum per
+    region come back for all of them, equal to the sources' totals."""
+    paths, replica_dir, root = chain
+    out = str(root / "union.csv")
+    sql = ("SELECT region, count(*) AS n, sum(amount) AS total, count(DISTINCT _source) AS dbs "
+           "FROM orders GROUP BY region")
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "verneuilctl"), "query", replica_dir,
+                           "--sql", sql, "--union", "--master", "local[2]", "--output", out, "--show", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = {}
+    for part in glob.glob(os.path.join(out, "part-*.csv")):
+        with open(part) as f:
+            for r in csv.DictReader(f):
+                got[r["region"]] = (int(r["n"]), round(float(r["total"]), 6), int(r["dbs"]))
+    want: dict = {}
+    for p in paths:
+        con = sqlite3.connect("file:%s?mode=ro" % p, uri=True)
+        for region, n, total in con.execute(QUERY):
+            a, b, c = want.get(region, (0, 0.0, 0))
+            want[region] = (a + n, b + total, c + 1)
+        con.close()
+    assert got == {k: (n, round(t, 6), d) for k, (n, t, d) in want.items()}
+    assert len(got) == 4 and all(d == TENANTS for _, _, d in got.values())
+
+
+def test_a_missing_database_is_explained_by_where_it_should_be(chain, tmp_path):
+    """What a task says of a database it cannot open: absent from a
+    verneuil mount, or absent because no verneuil mount holds its path."""
+    from verneuil_fuse.spark import explain_failure
+
+    _paths, replica_dir, root = chain
+    error = sqlite3.OperationalError("unable to open database file")
+    inside = explain_failure(os.path.join(replica_dir, "nope.db"), error)
+    assert inside.startswith("no such file in the verneuil mount at %s " % (root / "mnt")), inside
+    outside = explain_failure(str(tmp_path / "a" / "b" / "nope.db"), error)
+    assert outside.startswith("no such file, and no verneuil mount holds it on this host (its nearest "
+                              "directory here is %s)" % tmp_path), outside
+    assert outside.endswith("(executor host %s)" % socket.gethostname())

@@ -44,15 +44,19 @@ WRITER_KIND = "vfs"  # the real writer (test_copier_e2e also runs the Python ref
 
 class FaultEnv:
     """Fresh buckets on the session's moto server, a proxy in front, and two
-    stores: `store` (through the proxy, short timeouts) and `direct`."""
+    stores: `store` (through the proxy, short timeouts) and `direct`, both
+    of `layout`."""
 
-    def __init__(self, s3_server, tmp_path, *, read_timeout=1.0, max_attempts=3, stall=1.5):
+    def __init__(self, s3_server, tmp_path, *, read_timeout=1.0, max_attempts=3, stall=1.5,
+                 layout="chunks"):
         self.server = s3_server
         self.admin = s3_server.admin
+        self.layout = layout
         self.chunk_bucket = s3_server.new_bucket("chunks")
         self.manifest_bucket = s3_server.new_bucket("manifests", versioned=True)
         self.proxy = FaultProxy(s3_server.moto_endpoint, stall=stall)
-        self.direct_url = s3_server.url(self.chunk_bucket, self.manifest_bucket).replace(
+        params = {"layout": layout} if layout != "chunks" else {}
+        self.direct_url = s3_server.url(self.chunk_bucket, self.manifest_bucket, **params).replace(
             s3_server.endpoint, s3_server.moto_endpoint)
         self.url = self.direct_url.replace(s3_server.moto_endpoint, self.proxy.endpoint)
         self.store = open_store(self.url, read_timeout=read_timeout, connect_timeout=1.0,
@@ -62,17 +66,27 @@ class FaultEnv:
         os.makedirs(self.spool)
         self.tmp = str(tmp_path)
 
+    def direct_manifest(self, path: str, hostname: str = HOST) -> fmt.Manifest:
+        """The current manifest of `hostname:path`, read straight from moto."""
+        from verneuil_fuse.copier import fetch_manifest
+        return fetch_manifest(self.direct, fmt.manifest_name(path, hostname))
+
     def close(self):
         self.proxy.close()
         self.store.close()
         self.direct.close()
 
 
+# Store layouts the copier, restore and mount fault tests run in: Verneuil's
+# and the packed one (docs/FORMAT.md, "Packed layout").
+LAYOUTS = ["chunks", "packed"]
+
+
 @pytest.fixture
-def fenv(s3_server, tmp_path):
+def fenv(s3_server, tmp_path, request):
     if not s3_server.running:
         s3_server.start()
-    e = FaultEnv(s3_server, tmp_path)
+    e = FaultEnv(s3_server, tmp_path, layout=getattr(request, "param", "chunks"))
     try:
         yield e
     finally:
@@ -109,25 +123,28 @@ def list_manifest_versions(admin, bucket: str) -> list[tuple[str, str, object]]:
 
 
 class BucketView:
-    """Verified, cached chunk reads straight from moto (restores many versions)."""
+    """Verified, cached chunk reads straight from moto (restores many
+    versions), in either layout: a chunk object, or its range of a pack."""
 
     def __init__(self, admin, chunk_bucket: str):
         self.admin = admin
         self.bucket = chunk_bucket
         self.cache: dict[fmt.Fprint, bytes] = {}
 
-    def chunk(self, fp: fmt.Fprint) -> bytes:
+    def chunk(self, fp: fmt.Fprint, source: fmt.ChunkSource | None = None) -> bytes:
         if fp == fmt.ZERO_CHUNK_FPRINT:
             return bytes(fmt.CHUNK_SIZE)
         if fp not in self.cache:
-            blob = self.admin.get_object(Bucket=self.bucket, Key=fp.name)["Body"].read()
+            source = source or fmt.ChunkSource(fp.name)
+            extra = {"Range": "bytes=%d-%d" % (source.start, source.end - 1)} if source.ranged else {}
+            blob = self.admin.get_object(Bucket=self.bucket, Key=source.key, **extra)["Body"].read()
             self.cache[fp] = fmt.decode_chunk(blob, fp)
         return self.cache[fp]
 
     def restore(self, m: fmt.Manifest) -> bytes:
         out = bytearray()
         for i, fp in enumerate(m.chunks):
-            data = m.bundled[i] if i in m.bundled else self.chunk(fp)
+            data = m.bundled[i] if i in m.bundled else self.chunk(fp, fmt.chunk_source(m, i))
             out += data[: m.chunk_length(i)] if fp == fmt.ZERO_CHUNK_FPRINT else data
         assert len(out) == m.len
         return bytes(out)
@@ -139,7 +156,12 @@ def verify_store(admin, chunk_bucket: str, manifest_bucket: str):
     Returns [(key, version id, restored bytes)] oldest first, and the view."""
     view = BucketView(admin, chunk_bucket)
     for key in list_chunk_keys(admin, chunk_bucket):
-        fp = fmt.parse_chunk_name(key)  # only chunk names in the chunk bucket
+        packed = fmt.parse_pack_key(key)
+        if packed is not None:  # a pack is named after its bytes
+            pack = admin.get_object(Bucket=chunk_bucket, Key=key)["Body"].read()
+            assert fmt.fingerprint(pack) == packed[1], key
+            continue
+        fp = fmt.parse_chunk_name(key)  # else only chunk names in the chunk bucket
         view.chunk(fp)                  # ChunkError if the bytes are wrong
     restored = []
     for key, vid, _ in list_manifest_versions(admin, manifest_bucket):
@@ -155,6 +177,7 @@ ALL_FAULTS = [k for k in KINDS]
 
 # ----------------------------------------------------------------------- copier
 
+@pytest.mark.parametrize("fenv", LAYOUTS, indirect=True)
 def test_copier_converges_through_faults(fenv):
     """Writes go on while a third of all requests fail in every way the proxy
     knows; afterwards every stored object is right, and once the faults stop
@@ -190,8 +213,13 @@ def test_copier_converges_through_faults(fenv):
         fenv.proxy.clear()
     stats = bg.stats
     total = fenv.proxy.count()
-    assert faulted >= 10, faulted  # the faults really happened
-    assert on_engine["stored"] > 0 and on_engine["failed"] > 0, on_engine
+    # The faults really happened (the packed layout sends one PUT for many
+    # chunks: a few dozen requests in all, so fewer of them fail).
+    assert faulted >= (10 if fenv.layout == "chunks" else 5), faulted
+    if fenv.layout == "chunks":
+        assert on_engine["stored"] > 0 and on_engine["failed"] > 0, on_engine
+    else:  # packs go through the copier's retries, one PUT each
+        assert stats.packs_uploaded > 0 and stats.chunks_uploaded > stats.packs_uploaded, stats
     # Retries are bounded: botocore makes at most 3 attempts per copier request.
     assert total <= 3 * stats.requests + 5, (total, stats.requests)
     # Nothing wrong stored: every blob verifies, every version is a real commit.
@@ -222,6 +250,7 @@ def _latest(fenv):
     return restore_bytes(fenv.direct, m), m
 
 
+@pytest.mark.parametrize("fenv", LAYOUTS, indirect=True)
 def test_copier_retries_are_bounded(fenv):
     """Against a store that always fails, one pass makes a bounded number of
     requests and raises; flush gives up at its deadline; a hung store costs
@@ -272,6 +301,7 @@ def test_copier_retries_are_bounded(fenv):
         w.close()
 
 
+@pytest.mark.parametrize("fenv", LAYOUTS, indirect=True)
 def test_restore_writes_the_right_file_or_none(fenv):
     """`verneuilctl restore` through truncated/corrupted/dropped answers:
     exit 0 with the exact bytes, or a failure with no file written."""
@@ -281,8 +311,8 @@ def test_restore_writes_the_right_file_or_none(fenv):
     make_db(src, 3000, seed=5)
     data = open(src, "rb").read()
     # Raw chunks (readers accept both): a corrupted body keeps its length,
-    # so only the fingerprint check can notice.
-    pub = publish(fenv.direct, data, "/data/src.db", compress=False)
+    # so only the fingerprint check can notice.  Packed: range reads of packs.
+    pub = publish(fenv.direct, data, "/data/src.db", compress=False, packed=_pack_size(fenv))
     outcomes = {"ok": 0, "failed": 0}
     for i in range(12):
         fenv.proxy.set_faults(0.25, ["short_body", "corrupt", "cut_body", "500", "reset"], seed=i)
@@ -301,6 +331,12 @@ def test_restore_writes_the_right_file_or_none(fenv):
     print("restore under faults:", outcomes)
 
 
+def _pack_size(fenv) -> int:
+    """`publish`'s `packed`: 0 in Verneuil's layout; packs of 256 KiB in the
+    packed one (a few per database, so that reads cross packs)."""
+    return 256 << 10 if fenv.layout == "packed" else 0
+
+
 # ------------------------------------------------------------------------ mount
 
 fuse_skip = pytest.mark.skipif(bool(fuse_unavailable()), reason=str(fuse_unavailable()))
@@ -315,6 +351,7 @@ def _fresh_pread(fd: int, size: int, off: int) -> bytes:
 @fuse_skip
 @pytest.mark.fuse
 @pytest.mark.slow
+@pytest.mark.parametrize("fenv", LAYOUTS, indirect=True)
 def test_mount_right_bytes_or_eio_and_converges(fenv):
     """Random reads under every fault: right bytes or EREMOTEIO, never wrong bytes;
     a chunk that always fails costs a bounded number of GETs; after the
@@ -325,7 +362,7 @@ def test_mount_right_bytes_or_eio_and_converges(fenv):
         src = os.path.join(fenv.tmp, name)
         make_db(src, rows, seed=seed)
         data = open(src, "rb").read()
-        publish(fenv.direct, data, "/data/" + name)
+        publish(fenv.direct, data, "/data/" + name, packed=_pack_size(fenv))
         sources["/%s/data/%s" % (HOST, name)] = data
     retries = 2
     log_path = os.path.join(fenv.tmp, "mount.log")
@@ -344,8 +381,9 @@ def test_mount_right_bytes_or_eio_and_converges(fenv):
         ok = eio = partial = 0
         start = time.monotonic()
         mixed = False
-        while time.monotonic() < start + 10:
-            if not mixed and time.monotonic() > start + 4:
+        seconds = 10 if fenv.layout == "chunks" else 5  # the packed variant: shorter, for CI
+        while time.monotonic() < start + seconds:
+            if not mixed and time.monotonic() > start + 0.4 * seconds:
                 mixed = True
                 fenv.proxy.set_faults(0.35, ALL_FAULTS, seed=7, match=lambda r: r.method == "GET")
             w = rng.choice(list(sources))
@@ -375,16 +413,18 @@ def test_mount_right_bytes_or_eio_and_converges(fenv):
         fenv.proxy.clear()
         w = "/%s/data/a.db" % HOST
         fp = fmt.snapshot_of(sources[w])[0].chunks[3]
+        # Its object: a chunk object, or its pack (no other read asks for it).
+        key = fmt.chunk_source(fenv.direct_manifest("/data/a.db"), 3).key
         fenv.proxy.reset_counts()
         fenv.proxy.set_faults(1.0, ["503", "reset", "short_body"], seed=1,
-                              match=lambda r: fp.name in r.key)
+                              match=lambda r: key in r.key)
         time.sleep(HOLD_SECONDS + 0.5)  # a chunk read in part 1 is no longer held in memory
         start = time.monotonic()
         log_offset = os.path.getsize(log_path)
         with pytest.raises(OSError) as err:
             _fresh_pread(fds[w], 4096, 3 * fmt.CHUNK_SIZE + 10)
         assert err.value.errno == errno.EREMOTEIO
-        gets = fenv.proxy.count(method="GET", path_contains=fp.name)
+        gets = fenv.proxy.count(method="GET", path_contains=key)
         # The kernel may retry a failed read once (readahead, then the page
         # itself): each FUSE read gives up after retries+1 fetcher attempts
         # of at most 2 botocore attempts each.
@@ -401,7 +441,7 @@ def test_mount_right_bytes_or_eio_and_converges(fenv):
         # 3. A new version published while the store misbehaves.
         fenv.proxy.set_faults(0.5, ALL_FAULTS, seed=6)
         new = os.urandom(3 * fmt.CHUNK_SIZE + 100)
-        publish(fenv.direct, new, "/data/b.db")
+        publish(fenv.direct, new, "/data/b.db", packed=_pack_size(fenv))
         sources["/%s/data/b.db" % HOST] = new
         time.sleep(2)
         # 4. Faults stop: everything converges.

@@ -2,10 +2,12 @@
 parses outside input:
 
 - manifests: `decode_and_validate` on random bytes, on mutated valid
-  manifests (raw, zstd, with a base chunk) and on protobuf messages built
-  field by field: only `ManifestError`, never another exception or a hang,
-  and whatever is accepted really is valid; `decode_chunk`: only
-  `ChunkError` or bytes that match the fingerprint;
+  manifests (raw, zstd, with a base chunk, with a packed layout) and on
+  protobuf messages built field by field (packed layouts too): only
+  `ManifestError`, never another exception or a hang, and whatever is
+  accepted really is valid (every chunk's place within the layout's
+  bounds); `decode_chunk`: only `ChunkError` or bytes that match the
+  fingerprint;
 - names: `parse_chunk_name`, `parse_manifest_name`, `manifest_name`;
 - configuration: store specs (`parse_config`, `store_target`, `open_store`
   on S3 specs), `VERNEUIL_CONFIG`, the copier section and the spool key;
@@ -68,6 +70,11 @@ _BASE_FP = fmt.chunk_fingerprint(_BASE)
 _mb = fmt.snapshot_of(_valid_snapshot(4, 3, 10)[0])[0]
 _mb.base_chunks_fprint = _BASE_FP
 _SAMPLES.append(fmt.encode_manifest(_mb, base=_BASE))
+# One of the packed layout: its chunks in two packs.
+_mp = _valid_snapshot(5, 4, 10)[1]
+_mp.layout = fmt.PackedLayout.build(fmt.Fprint(5, 6), [None, (fmt.Fprint(1, 1), 0, 900),
+                                                       (fmt.Fprint(1, 1), 900, 65000), (fmt.Fprint(2, 2), 7, 3)])
+_SAMPLES.append(fmt.encode_manifest(_mp))
 
 
 def _fetch_base(fp):
@@ -86,6 +93,14 @@ def check_accepted(m: fmt.Manifest) -> None:
         assert fmt.chunk_fingerprint(data) == m.chunks[i]
     if 0 in m.bundled:
         assert fmt.header_fprint_of(m.bundled[0]) == m.header_fprint
+    for i in range(len(m.chunks)):
+        source = fmt.chunk_source(m, i)
+        if source.ranged:
+            assert fmt.parse_pack_key(source.key) is not None
+            assert 0 < source.end - source.start <= fmt.MAX_CHUNK_BLOB_BYTES
+            assert source.end <= fmt.MAX_PACK_BYTES
+        else:
+            assert source.key == m.chunks[i].name
 
 
 def decode(blob: bytes, fetch=_fetch_base) -> None:
@@ -192,8 +207,24 @@ def pb_manifests(draw):
             if draw(st.booleans()):
                 b.chunk_fprint.major, b.chunk_fprint.minor = draw(
                     st.sampled_from([m.chunks[0], fmt.Fprint(3, 4)]))
+        if draw(st.booleans()):
+            _draw_layout(draw, v1.packed, len(words) // 2)
     raw = top.SerializeToString()
     return fmt.compress_manifest(raw) if draw(st.booleans()) else raw
+
+
+def _draw_layout(draw, packed, nchunks: int) -> None:
+    """A packed layout (docs/FORMAT.md, "Packed layout") right or wrong:
+    pack lists of any length, places in bounds or past them."""
+    packed.SetInParent()
+    if draw(st.booleans()):
+        packed.space.major, packed.space.minor = draw(u64), draw(u64)
+    packed.packs.extend(draw(st.lists(u64, max_size=8)))
+    count = draw(st.one_of(st.just(3 * nchunks), st.integers(0, 15)))
+    edge = st.sampled_from([0, 1, fmt.MAX_CHUNK_BLOB_BYTES, fmt.MAX_CHUNK_BLOB_BYTES + 1,
+                            fmt.MAX_PACK_BYTES - 1, fmt.MAX_PACK_BYTES])
+    packed.locations.extend(draw(st.lists(st.one_of(st.integers(0, 5), edge, u64),
+                                          min_size=count, max_size=count)))
 
 
 @FUZZ
@@ -409,7 +440,8 @@ def test_verneuil_config_env(value, how):
 
 OWN_OPTIONS = ["cache_dir", "cache_size", "mem_cache", "refresh", "readahead", "readahead_max", "cache_readahead_max",
                "btree_prefetch", "btree_max", "concurrency", "prefetch_concurrency", "retries",
-               "timeout", "hydrate", "entry_timeout", "read_ahead_kb", "log_file", "log_level"]
+               "timeout", "hydrate", "entry_timeout", "read_ahead_kb", "log_file", "log_level",
+               "uid", "gid", "umask", "subdir", "metrics_port", "metrics_address"]
 FUSE_OPTIONS = ["ro", "rw", "allow_other", "allow_root", "default_permissions", "auto_unmount",
                 "debug", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "fsname", "subtype",
                 "_netdev", "nofail", "x-systemd.foo", "comment", "user", "bogus", "max_read"]
@@ -443,6 +475,12 @@ def _mount_gate(argv):
     for name in ("cache_size", "mem_cache", "readahead_max", "cache_readahead_max", "btree_max", "concurrency", "retries"):
         v = getattr(opts, name)
         assert (v is None and name == "concurrency") or v >= 0, name  # None: the fetcher's default for the store
+    # Owner and modes the kernel's attributes can hold; a port; a subtree
+    # of absolute, plain components.
+    assert all(v is None or 0 <= v < (1 << 32) - 1 for v in (opts.uid, opts.gid)), (opts.uid, opts.gid)
+    assert 0 <= opts.umask <= 0o777 and (opts.metrics_port is None or 0 <= opts.metrics_port <= 65535)
+    assert opts.subdir == "" or (opts.subdir.startswith("/") and "//" not in opts.subdir
+                                 and not {".", ".."} & set(opts.subdir.split("/")))
 
 
 @FUZZ
@@ -451,6 +489,7 @@ def _mount_gate(argv):
 @example(["subtype=é"], "/src")
 @example(["cache_size=1" + "0" * 400], "/src")
 @example(["entry_timeout=-1"], "/src")
+@example(["uid=1" + "0" * 400, "gid=\u0661"], "/src")
 @example([], "/tmp/é")
 def test_mount_options(items, source):
     assume(source and not source.startswith("-"))

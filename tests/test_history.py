@@ -20,12 +20,13 @@ import sys
 import time
 
 import pytest
+import trio
 
 from support.replicas import HOST, Mount, fuse_unavailable, make_db, publish, wait_for
 from verneuil_fuse.copier.repair import live_chunks
 from verneuil_fuse.copier.restore import fetch_manifest
 from verneuil_fuse.format import manifest_name
-from verneuil_fuse.history import BadTime, format_time, newest_at, parse_time
+from verneuil_fuse.history import TIMES_AT_ONCE, BadTime, format_time, newest_at, newest_at_async, parse_time
 from verneuil_fuse.store import LocalBackend, open_store
 
 CTL = [sys.executable, "-m", "verneuil_fuse.cli"]
@@ -121,8 +122,43 @@ def test_newest_at_boundaries():
     assert newest_at(0, 10, time_of) is None
     seen.clear()
     big = list(range(0, 10000, 10))
-    assert newest_at(len(big), 5005, lambda i: seen.append(i) or big[i]) == 500
-    assert len(seen) <= 12  # a binary search, not a scan
+    assert newest_at(len(big), 10**6, lambda i: seen.append(i) or big[i]) == 999
+    assert seen == [999]  # after the newest version: one read
+    seen.clear()
+    assert newest_at(len(big), 9975, lambda i: seen.append(i) or big[i]) == 997
+    assert seen == [999, 998, 997]  # back from the newest, no further than the answer
+
+
+def test_newest_at_follows_store_order_when_the_clock_stepped_back():
+    """Issue 36, case 8: versions at +10, +30, +20, +40 (the writer's clock
+    stepped back): the newest version in the store's order whose time is at
+    or before T, also through the mount's batched walk."""
+    times = [10, 30, 20, 40]
+    assert [newest_at(4, t, times.__getitem__) for t in (9, 10, 22, 29, 30, 35, 40)] == \
+        [None, 0, 2, 2, 2, 2, 3]
+    asked = []
+
+    async def times_of(indices):
+        asked.append(indices)
+        return [times[i] for i in indices]
+
+    assert trio.run(newest_at_async, 4, 22, times_of) == 2
+    assert asked == [[3], [2, 1, 0]]
+    asked.clear()
+    assert trio.run(newest_at_async, 4, 9, times_of) is None
+    assert asked == [[3], [2, 1, 0]]
+
+
+def test_times_out_of_range_are_bad_times():
+    """Issue 36, case 8: a time past what 64-bit nanoseconds hold is one
+    BadTime, never an overflow."""
+    now = 1_800_000_000 * NS
+    for bad in ("9999-12-31T23:59:59-23:59", "-300000000w", "-99999999999999999999w", "0001-01-01",
+                "2263-01-01", "-" + "9" * 40 + "s"):
+        with pytest.raises(BadTime, match="out of range"):
+            parse_time(bad, now)
+    assert parse_time("1677-09-22") < 0
+    assert parse_time("2262-04-11") > 0
 
 
 # -- directory store history and retention -----------------------------------------
@@ -250,6 +286,9 @@ def test_versions_and_restore_at(any_store, tmp_path):
     assert not (tmp_path / "x.db").exists()
     proc = run(["restore", "--at", "last tuesday", "-o", str(tmp_path / "x.db")] + target)
     assert_one_line_error(proc, 2, "not a time")
+    for out_of_range in ("9999-12-31T23:59:59-23:59", "-300000000w"):  # issue 36, case 8: no traceback
+        proc = run(["restore", "--at", out_of_range, "-o", str(tmp_path / "x.db")] + target)
+        assert_one_line_error(proc, 2, "not a time", "out of range")
     proc = run(["restore", "--at", "-1h", "--version-id", ids[0], "-o", str(tmp_path / "x.db")] + target)
     assert_one_line_error(proc, 2, "not both")
     unknown = ["--store", url, "--hostname", HOST, "-s", "/data/nope.db"]
@@ -267,6 +306,20 @@ def test_versions_and_restore_at(any_store, tmp_path):
     assert [r["version_id"] for r in rows] == ids
     unchecked = json.loads(run(["versions", "--json", "--no-check"] + target).stdout)
     assert [r["complete"] for r in unchecked] == [None] * 3
+    # An older version only: exit 0 (the database can be restored as it is
+    # now), and a warning says what the missing chunks cost.
+    proc = run(["versions"] + target)
+    assert proc.returncode == 0 and b"1 MISSING" in proc.stdout, proc.stderr
+    assert b"warning: 1 older version misses chunks and cannot be restored" in proc.stderr, proc.stderr
+    # A chunk of the latest version: exit 3, and the warning says so.
+    only_latest = sorted(chunk_sets[2] - chunk_sets[0] - chunk_sets[1])
+    assert only_latest, "the latest version shares all its chunks"
+    store.chunks.delete(only_latest[0].name)
+    proc = run(["versions"] + target)
+    assert proc.returncode == 3, proc.stderr
+    assert b"warning: the latest version misses 1 chunk: restoring or reading" in proc.stderr, proc.stderr
+    assert run(["versions", "--json"] + target).returncode == 3
+    assert run(["versions", "--no-check"] + target).returncode == 0  # not checked: not known
 
 
 @pytest.mark.skipif(not shutil.which("sqlite3"), reason="no sqlite3 shell")
@@ -408,10 +461,11 @@ def test_past_states_on_the_mount(menv):
 # -- the mount's resolution, without FUSE ----------------------------------------------
 
 
-def test_past_state_resolution_reads_log_n_manifests_and_reports_store_failures(tmp_path):
-    """64 versions: a time is resolved with about log2(64) manifest reads,
-    the same version twice is the same replica, and a store that fails is
-    FetchError (EREMOTEIO on the mount), not 'no such version'."""
+def test_past_state_resolution_reads_each_version_once_and_reports_store_failures(tmp_path):
+    """64 versions: a time is resolved reading the versions from the newest
+    back to the one chosen (8 at a time), each version's time read once per
+    mount; the same version twice is the same replica, and a store that
+    fails is FetchError (EREMOTEIO on the mount), not 'no such version'."""
     import trio
 
     from verneuil_fuse.reader.fetcher import FetchError, Fetcher
@@ -429,12 +483,12 @@ def test_past_state_resolution_reads_log_n_manifests_and_reports_store_failures(
         past = PastStates(Fetcher(store), lambda: next(inodes))
         r = await past.resolve(key, "app.db@x", (base + 20) * NS + 5)
         assert r is not None and r.mtime_ns == (base + 20) * NS and r.size == 5016
-        assert past.manifest_reads <= 8
+        assert 44 <= past.manifest_reads <= 44 + TIMES_AT_ONCE  # versions 63 .. 20, one batch past
         again = await past.resolve(key, "app.db@y", (base + 20) * NS + 7)
         assert again is r
         assert await past.resolve(key, "app.db@z", base * NS - 1) is None
-        assert await past.resolve(key, "app.db@w", 10**20) is not None
-        assert past.manifest_reads <= 16
+        assert await past.resolve(key, "app.db@w", (1 << 63) - 1) is not None
+        assert past.manifest_reads <= 64 + 2  # each version's time once (and two chosen ones again)
 
         class Failing:
             def __getattr__(self, name):

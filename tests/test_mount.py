@@ -1,5 +1,7 @@
 """Real FUSE mounts: one mount per store kind (a directory, and S3 through
-moto's server), many checks on each.
+moto's server), many checks on each; each store holds databases in both
+layouts (Verneuil's, and packed: docs/FORMAT.md, "Packed layout"), read
+alike without being told.
 
 Every wait is bounded; teardown always unmounts (`fusermount3 -u -z`) and
 ends the process it started, by PID.
@@ -39,6 +41,8 @@ if fuse_unavailable():
     pytestmark.append(pytest.mark.skip(reason=fuse_unavailable()))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Packs of the packed databases: 256 KiB, so that a database has a few.
+PACK = 256 << 10
 
 
 class Env:
@@ -68,8 +72,9 @@ class Env:
             self.sources[where] = f.read()
         return where
 
-    def add_bytes(self, data: bytes, path: str, *, host: str = HOST, compress: bool = True) -> str:
-        publish(self.store, data, path, hostname=host, compress=compress)
+    def add_bytes(self, data: bytes, path: str, *, host: str = HOST, compress: bool = True,
+                  packed: int = 0) -> str:
+        publish(self.store, data, path, hostname=host, compress=compress, packed=packed)
         where = "/%s%s" % (host, path)
         self.sources[where] = data
         return where
@@ -98,7 +103,10 @@ def env(request, tmp_path_factory):
     e.add_db("v.db", 3000, seed=6)
     e.add_db("gone.db", 100, seed=7)
     e.add_bytes(os.urandom(3 * CHUNK_SIZE + 17), "/data/raw.db", compress=False)  # chunks stored raw
-    # Damaged replicas: one chunk corrupted, one chunk missing.
+    make_db(os.path.join(root, "packed-src.db"), 12000, seed=9)
+    e.add_bytes(open(os.path.join(root, "packed-src.db"), "rb").read(), "/data/packed.db", packed=PACK)
+    # Damaged replicas: one chunk corrupted, one chunk missing (damaged packs:
+    # tests/test_mount_hostile.py).
     for name in ("corrupt.db", "missing.db"):
         data = os.urandom(5 * CHUNK_SIZE)
         where = e.add_bytes(b"SQLite format 3\x00" + data[16:], "/data/" + name)
@@ -107,7 +115,7 @@ def env(request, tmp_path_factory):
             e.store.chunks.put(pub_fp.name, os.urandom(CHUNK_SIZE))
         else:
             e.store.chunks.delete(pub_fp.name)
-    e.mount = Mount.under(e.root, e.url, "refresh=0.5,retries=1,timeout=5")
+    e.mount = Mount.under(e.root, e.url, "refresh=0.5,retries=1,timeout=5,metrics_port=0")
     try:
         with e.mount:
             yield e
@@ -149,12 +157,13 @@ def test_tree_and_attributes(env):
 
 def test_bytes_equal_source(env):
     for where in ("/%s/data/big.db" % HOST, "/%s/data/small.db" % HOST, "/other-host/data/x.db",
-                  "/%s/data/raw.db" % HOST):
+                  "/%s/data/raw.db" % HOST, "/%s/data/packed.db" % HOST):
         assert _read(env.mount.path(where)) == env.sources[where]
 
 
-def test_sqlite_shell_and_python(env):
-    path = env.mount.path(HOST, "data", "big.db")
+@pytest.mark.parametrize("name", ["big.db", "packed.db"])
+def test_sqlite_shell_and_python(env, name):
+    path = env.mount.path(HOST, "data", name)
     out = subprocess.run(
         ["sqlite3", "file:%s?mode=ro" % path, "PRAGMA integrity_check; SELECT count(*) FROM t;"],
         capture_output=True, text=True, timeout=60,
@@ -201,50 +210,121 @@ def test_stats(env):
     assert disk["chunks"] > 0 and 0 < disk["bytes"] <= disk["limit"] and disk["puts"] > 0
 
 
-def test_metrics_carry_the_stats_numbers(env):
-    """/.verneuil/metrics parses with prometheus_client's parser and holds
-    every number of /.verneuil/stats: a counter read between two scrapes
-    lies between them, a database's size is its size."""
-    from prometheus_client.parser import text_string_to_metric_families
+def test_metrics_follow_the_stats_and_prometheus(env):
+    """/.verneuil/metrics and the metrics_port endpoint serve the same
+    series, which Debian's `promtool check metrics` accepts; every number of
+    /.verneuil/stats is a series or listed as left out (metrics.MOUNT_SERIES);
+    a counter read between two scrapes lies between them; a database's series
+    carry its writer's host and source path; its counters of reads and opens
+    go on across a new version instead of starting again at 0."""
+    from support.metrics_check import parse, promtool_check, promtool_missing, scrape, unlisted
+    from verneuil_fuse import metrics
 
-    from verneuil_fuse.metrics import MOUNT_GAUGES
+    url = env.mount.stats()["mount"]["metrics_url"]
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics"), url
 
-    def scrape() -> dict:
-        with open(env.mount.path(".verneuil", "metrics")) as f:
-            text = f.read()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
+    def from_file() -> dict:
+        with open(env.mount.path(".verneuil", "metrics"), "rb") as f:
+            return parse(f.read())
 
-    def leaves(value, path):
-        if isinstance(value, (bool, int, float)):
-            yield path, float(value)
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                yield from leaves(v, path + (k,))
-
-    big = "/%s/data/big.db" % HOST
-    assert _read(env.mount.path(*big.strip("/").split("/"))) == env.sources[big]
-    before = scrape()
+    # Compressible bytes, and removed at the end: the tests after this one
+    # count the store's databases, and one keeps its caches on a 2 MiB disk.
+    where = env.add_bytes(bytes(range(256)) * (2 * CHUNK_SIZE // 256) + b"x" * 100, "/data/counted.db")
+    labels = (("host", HOST), ("path", "/data/counted.db"))
+    for _ in range(3):
+        assert _read(env.mount.path(where)) == env.sources[where]
+    before = from_file()
     stats = env.mount.stats()
-    after = scrape()
+    after = parse(scrape(url))
+    assert unlisted(stats, metrics.MOUNT_SERIES, ("databases",)) == []
+    by_path = {s.path: s for s in metrics.MOUNT_SERIES}
     checked = 0
     for top, value in stats.items():
-        groups = value.items() if top == "databases" else [(None, value)]
-        for path_label, sub in groups:
-            for path, number in leaves(sub, (top,)):
-                dotted = ".".join(path)
-                name = "verneuil_" + "_".join(path) + ("" if dotted in MOUNT_GAUGES else "_total")
-                labels = (("path", path_label),) if path_label else ()
-                assert (name, labels) in before and (name, labels) in after, (name, labels)
-                if dotted not in MOUNT_GAUGES:
-                    assert before[name, labels] <= number <= after[name, labels], dotted
+        for item, sub in (value.items() if top == "databases" else [(None, value)]):
+            key = metrics.database_labels(sub["key"]) if item else {}
+            for path, number in metrics.numeric_leaves(sub, (top,)):
+                series = by_path[".".join(path)]
+                if series.kind == metrics.LEFT_OUT or (series.kind == metrics.TIMESTAMP and not number):
+                    continue
+                sample = (series.name, tuple(sorted(key.items())))
+                assert sample in before and sample in after, sample
+                if series.kind == metrics.COUNTER:
+                    assert before[sample][1] <= number <= after[sample][1], series.name
                 checked += 1
-    assert checked > 40
-    assert before["verneuil_databases_len", (("path", big),)] == len(env.sources[big])
-    assert before["verneuil_mount_pid", ()] == env.mount.proc.pid
-    assert after["verneuil_fetch_gets_total", ()] > 0
+    assert checked > 60
+    assert before["verneuil_database_size_bytes", labels][1] == len(env.sources[where])
+    assert before["verneuil_database_opens_total", labels][1] == 3
+    assert after["verneuil_fetch_gets_total", ()][1] > 0
     info = [k for k in before if k[0] == "verneuil_mount_info"]
     assert len(info) == 1 and ("mountpoint", env.mount.mountpoint) in info[0][1], info
+    assert ("pid", str(env.mount.proc.pid)) in info[0][1]
+    if promtool_missing() is None:
+        with open(env.mount.path(".verneuil", "metrics"), "rb") as f:
+            promtool_check(f.read())
+        promtool_check(scrape(url))
+
+    # A new version: the database's counters go on from where they were.
+    reads = after["verneuil_database_reads_total", labels][1]
+    new = b"y" * (3 * CHUNK_SIZE)
+    env.add_bytes(new, "/data/counted.db")
+    try:
+        wait_for(lambda: _read(env.mount.path(where)) == new, 20, "the new version")
+        now = parse(scrape(url))
+        d = env.mount.stats()["databases"]["/%s/data/counted.db" % HOST]
+        assert now["verneuil_database_size_bytes", labels][1] == d["len"] == len(new)
+        # The total holds the old version's reads and the new one's (d["reads"]).
+        assert d["since_mount"]["reads"] >= reads + d["reads"] > reads
+        assert now["verneuil_database_reads_total", labels][1] >= reads + 1
+        assert now["verneuil_database_opens_total", labels][1] >= 4
+    finally:
+        env.store.manifests.delete(manifest_name("/data/counted.db", HOST))
+        del env.sources[where]
+
+
+def test_owner_permissions_and_a_subtree(env):
+    """A second mount of the store with uid=, gid=, umask= and subdir=: its
+    root is the host's /data directory (the other host's databases are not
+    there), every entry belongs to uid/gid 1000 with the umask's bits taken
+    away; user 1000 reads a database, user 1001 is refused; a database
+    published after the last poll opens at once by its name in the subtree;
+    the metrics still label databases by their host and source path."""
+    import shutil
+    import tempfile
+
+    from support.metrics_check import parse
+
+    top = tempfile.mkdtemp(prefix="verneuil-perm-")  # traversable by other users, unlike pytest's tmp
+    os.chmod(top, 0o755)
+    opts = "cache_dir=%s,allow_other,uid=1000,gid=1000,umask=027,subdir=/%s/data,refresh=0.5" % (
+        os.path.join(env.root, "cache-sub"), HOST)
+    try:
+        with Mount(env.url, os.path.join(top, "mnt"), opts, log_path=os.path.join(env.root, "sub.log")) as m:
+            ours = "/%s/data/" % HOST
+            assert sorted(os.listdir(m.mountpoint)) == sorted(
+                [".verneuil"] + [p[len(ours):] for p in env.sources if p.startswith(ours)])
+            for path, mode in ((m.mountpoint, 0o550), (m.path("big.db"), 0o440)):
+                st = os.stat(path)
+                assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1000, 1000, mode), path
+            big = env.sources[ours + "big.db"]
+            reader = subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups",
+                                     "cat", m.path("big.db")], capture_output=True, timeout=60)
+            assert reader.returncode == 0 and reader.stdout == big, reader.stderr
+            other = subprocess.run(["setpriv", "--reuid=1001", "--regid=1001", "--clear-groups",
+                                    "cat", m.path("big.db")], capture_output=True, timeout=60)
+            assert other.returncode != 0 and b"Permission denied" in other.stderr, other
+            late = b"late" * (CHUNK_SIZE // 4) + b"!"
+            where = env.add_bytes(late, "/data/late.db")
+            try:
+                assert _read(m.path("late.db")) == late  # before any poll lists it
+            finally:
+                env.store.manifests.delete(manifest_name("/data/late.db", HOST))
+                del env.sources[where]
+            with open(m.path(".verneuil", "metrics"), "rb") as f:
+                series = parse(f.read())
+            assert ("verneuil_database_size_bytes", (("host", HOST), ("path", "/data/big.db"))) in series
+            assert not any(dict(k[1]).get("host") == "other-host" for k in series)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_open_handle_keeps_its_version(env):
@@ -270,6 +350,36 @@ def test_open_handle_keeps_its_version(env):
         f.close()
         env.sources[where] = new
     assert os.stat(m.path(where)).st_size == len(new)
+
+
+def test_a_long_lived_connection_follows(env):
+    """A Python sqlite3 connection (mode=ro) kept open sees each new version
+    at its next query, within a second or so of its manifest landing: the
+    follow loop checks the manifest of a database in use every 0.5 s with a
+    conditional read (S3: a GET with If-None-Match, 304 while unchanged)."""
+    import contextlib
+
+    where = env.add_db("follow.db", 500, seed=21)
+    path = env.mount.path(where)
+    wait_for(lambda: os.path.exists(path), 20, "follow.db")
+    with contextlib.closing(sqlite3.connect("file:%s?mode=ro" % path, uri=True)) as con:
+        assert con.execute("SELECT count(*) FROM t").fetchone() == (500,)
+        for rows in (700, 900):
+            env.add_db("follow.db", rows, seed=rows)
+            start = time.monotonic()
+            wait_for(lambda: con.execute("SELECT count(*) FROM t").fetchone() == (rows,), 10, "%d rows" % rows)
+            assert time.monotonic() - start < 5
+        follow = env.mount.stats()["follow"]
+        assert follow["switches"] >= 2 and follow["new_versions"] >= 2, follow
+        wait_for(lambda: env.mount.stats()["follow"]["not_modified"] > follow["not_modified"], 10, "a 304")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with open(env.mount.path(".verneuil", "metrics")) as f:
+        families = {fam.name: fam for fam in text_string_to_metric_families(f.read())}
+    lag = families["verneuil_follow_lag_seconds"]
+    assert lag.type == "histogram"
+    counts = {s.labels["event"]: s.value for s in lag.samples if s.name.endswith("_count")}
+    assert counts["switched"] >= 2 and counts["visible"] >= 2, counts
 
 
 def test_removed_database_disappears(env):
@@ -378,7 +488,7 @@ def test_bad_chunk_is_a_remote_io_error_never_wrong_bytes(env, name):
 
 
 def test_concurrent_random_reads(env):
-    wheres = ["/%s/data/%s" % (HOST, n) for n in ("big.db", "small.db", "point.db", "seq.db")]
+    wheres = ["/%s/data/%s" % (HOST, n) for n in ("big.db", "small.db", "point.db", "seq.db", "packed.db")]
     wheres.append("/other-host/data/x.db")
     errors: list[str] = []
     counts = [0] * 16
@@ -688,6 +798,7 @@ def _mount_helper_and_fstab(env):
     from verneuil_fuse.mount import SYSLOG_SOCKET, default_log_file
 
     log_file = default_log_file(mnt)
+    assert os.path.basename(log_file) == mnt.strip("/").replace("/", "-") + ".log"  # plain, no escapes
     for cmd in (["mount", "-t", "fuse.verneuil", source, mnt, "-o", "ro," + opts], ["mount", "-T", fstab, mnt]):
         pid = None
         try:
@@ -697,7 +808,7 @@ def _mount_helper_and_fstab(env):
             if not os.path.exists(SYSLOG_SOCKET):
                 # No syslog: the daemon logs to its default file and said where.
                 assert log_file in out.stderr, out.stderr
-                wait_for(lambda: "INFO verneuil_fuse.mount: mounted" in _read(log_file).decode(), 10,
+                wait_for(lambda: "INFO mount: mounted" in _read(log_file).decode(), 10,
                          "the mount's start line in " + log_file)
             with open(os.path.join(mnt, ".verneuil", "stats")) as f:
                 pid = json.load(f)["mount"]["pid"]
@@ -707,7 +818,7 @@ def _mount_helper_and_fstab(env):
             assert out.returncode == 0, out.stderr
             wait_for(lambda: not pid_alive(pid), 15, "the daemon to exit after umount")
             if not os.path.exists(SYSLOG_SOCKET):
-                assert "INFO verneuil_fuse.mount: unmounted" in _read(log_file).decode()
+                assert "INFO mount: unmounted" in _read(log_file).decode()
         finally:
             unmount(mnt)
             if pid is not None:

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from verneuil_fuse import mount
+from verneuil_fuse.errors import UserError
 
 
 def run(*args, timeout=60):
@@ -23,7 +24,7 @@ def test_help_lists_own_options():
     out = run("--help")
     assert out.returncode == 0
     for name in ("cache_dir=", "cache_size=", "refresh=", "readahead_max=", "cache_readahead_max=", "btree_prefetch=",
-                 "concurrency=", "hydrate", "allow_other", "deadline=", "max_db_size="):
+                 "concurrency=", "hydrate", "allow_other", "deadline=", "max_db_size=", "follow=", "follow_interval="):
         assert name in out.stdout
 
 
@@ -51,6 +52,13 @@ def test_version():
     (["file:///tmp", "/tmp", "-o", "hydrate,cache_size=0"], 2, "option hydrate needs a disk cache"),
     (["file:///tmp", "/tmp", "-o", "fsname="], 2, "option fsname needs a value"),
     (["s3://user:secret@bucket", "/tmp"], 3, "s3://***@bucket"),
+    (["file:///tmp", "/tmp", "-o", "uid=no-such-user-here"], 2, "no user 'no-such-user-here' on this host"),
+    (["file:///tmp", "/tmp", "-o", "gid=no-such-group-here"], 2, "no group 'no-such-group-here' on this host"),
+    (["file:///tmp", "/tmp", "-o", "umask=999"], 2, "bad value for option umask: an octal mode"),
+    (["file:///tmp", "/tmp", "-o", "umask=01777"], 2, "an octal mode from 0 to 0777"),
+    (["file:///tmp", "/tmp", "-o", "subdir=web1/data"], 2, "bad value for option subdir: a directory of the tree"),
+    (["file:///tmp", "/tmp", "-o", "subdir=/web1/../x"], 2, "bad value for option subdir"),
+    (["file:///tmp", "/tmp", "-o", "metrics_port=70000"], 2, "a TCP port, 0 to 65535"),
 ])
 def test_errors_are_one_line(args, code, words):
     out = run(*args)
@@ -105,6 +113,35 @@ def test_option_parsing():
     assert set(opts.fuse) == {"ro", "allow_other", "dev", "suid", "default_permissions",
                               "fsname=s", "subtype=verneuil"}
     assert mount.parse_size("64M") == 64 << 20 and mount.parse_size("100") == 100
+    opts = mount.parse_args(["s", "m", "-o", "uid=root,gid=0,umask=027,subdir=/web1//srv/data/,metrics_port=9464"])
+    assert (opts.uid, opts.gid, opts.umask, opts.subdir) == (0, 0, 0o27, "/web1/srv/data")
+    assert (opts.metrics_port, opts.metrics_address) == (9464, "127.0.0.1")
+    assert mount.parse_args(["s", "m", "-o", "uid=1000,umask=0"]).uid == 1000
+    defaults = mount.parse_args(["s", "m"])
+    assert defaults.follow and defaults.follow_interval is None  # the follow loop's default, 0.5 s
+    opts = mount.parse_args(["s", "m", "-o", "follow=off,follow_interval=0"])
+    assert not opts.follow and opts.follow_interval == 0
+    for bad in ("follow=maybe", "follow_interval=-1", "follow_interval=soon"):
+        with pytest.raises(UserError) as e:
+            mount.parse_args(["s", "m", "-o", bad])
+        assert bad.split("=")[0] in str(e.value)
+
+
+
+def test_a_metrics_port_in_use_is_one_line(tmp_path):
+    """metrics_port= that cannot be had fails the mount before it is made."""
+    (tmp_path / "store" / "manifests").mkdir(parents=True)
+    (tmp_path / "mnt").mkdir()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        port = taken.getsockname()[1]
+        out = run(str(tmp_path / "store"), str(tmp_path / "mnt"), "-o",
+                  "cache_size=0,metrics_port=%d,log_file=%s" % (port, tmp_path / "log"))
+        _last_line_error(out, 2, "cannot serve metrics on 127.0.0.1:%d: Address already in use" % port)
+    finally:
+        taken.close()
 
 
 # ------------------------------------------- profile=, credentials_file=, start_retry=
@@ -222,7 +259,8 @@ def test_start_retry_waits_for_the_store(s3_server, tmp_path):
 def test_help_lists_start_up_options():
     out = run("--help")
     assert out.returncode == 0
-    for name in ("profile=NAME", "credentials_file=PATH", "start_retry=SECONDS"):
+    for name in ("profile=NAME", "credentials_file=PATH", "start_retry=SECONDS", "metrics_port=PORT",
+                 "metrics_address=ADDRESS", "uid=USER, gid=GROUP", "umask=MODE", "subdir=/HOST[/PATH]"):
         assert name in out.stdout
     opts = mount.parse_args(["s", "m", "-o", "profile=replicas,credentials_file=c,start_retry=2.5"])
     assert (opts.profile, opts.credentials_file, opts.start_retry) == ("replicas", "c", 2.5)
@@ -239,10 +277,12 @@ def test_stats_hold_the_mount_section(tmp_path):
     layers = mount._build_layers(opts, mount.check_source(opts))
     try:
         assert layers.cache is None
-        assert layers.catalog.stats()["mount"] == {
+        section = layers.catalog.stats()["mount"]
+        assert abs(section.pop("started") - time.time()) < 60
+        assert section == {
             "source": "file://%s/store?create=false" % tmp_path, "mountpoint": str(tmp_path / "mnt"),
             "pid": os.getpid(), "read_errors": 0, "handler_errors": 0, "ready": False,
-            "cache_dir": None}
+            "cache_dir": None, "metrics_url": None}
         layers.ready = True
         assert layers.catalog.stats()["mount"]["ready"] is True
     finally:

@@ -5,9 +5,11 @@ kind of hostile object a writer of the store could plant: times past what
 the kernel can hold, a zstd manifest declaring 25 million chunks, a zstd bomb,
 a 6 GB object as a manifest, a chunk of a valid frame plus 6 GB of trailing
 bytes, a chunk list that contradicts the length, a length no chunk list can
-match, and two thousand tiny manifests. The mount must start in its usual
-time, read the good databases byte-exact, skip or fail (EREMOTEIO, never a
-short read) each hostile one, and stay under its memory bound throughout.
+match, and two thousand tiny manifests; and in the packed layout, a pack cut
+short, a chunk's range that holds another chunk, and a layout past its
+bounds. The mount must start in its usual time, read the good databases
+(of both layouts) byte-exact, skip or fail (EREMOTEIO, never a short read)
+each hostile one, and stay under its memory bound throughout.
 
 Big objects are sparse files: the test costs little disk.
 """
@@ -25,7 +27,9 @@ import zstandard
 from support.replicas import HOST, Mount, fuse_unavailable, make_db, publish, wait_for
 from verneuil_fuse.format import (
     CHUNK_SIZE,
+    MAX_PACK_BYTES,
     ZERO_CHUNK_FPRINT,
+    chunk_source,
     compress_chunk,
     compress_manifest,
     encode_manifest,
@@ -106,11 +110,11 @@ class Hostile:
     def path_of(self, backend, key: str) -> str:
         return os.path.join(backend.root, key)
 
-    def add_good(self, name: str, rows: int, **kw) -> None:
+    def add_good(self, name: str, rows: int, packed: int = 0, **kw) -> None:
         src = os.path.join(self.root, name)
         make_db(src, rows, seed=rows, **kw)
         data = open(src, "rb").read()
-        publish(self.store, data, "/good/" + name)
+        publish(self.store, data, "/good/" + name, packed=packed)
         self.good["/%s/good/%s" % (HOST, name)] = data
 
     def add_skipped(self, name: str) -> str:
@@ -125,6 +129,7 @@ def hostile(tmp_path_factory):
     h = Hostile(root)
     h.add_good("a.db", 3000)
     h.add_good("b.db", 800, page_size=65536, payload=3000)
+    h.add_good("c-packed.db", 2500, packed=256 << 10)
 
     # 1. Times the kernel cannot hold: shown with the listed mtime instead.
     for name, ctime, ctime_ns in (("future.db", 2**63 - 1, 2**31 - 1), ("past.db", -(2**63), -(2**31))):
@@ -185,7 +190,31 @@ def hostile(tmp_path_factory):
     h.store.manifests.put(manifest_name("/bad/lying.db", HOST), compress_manifest(encode_manifest(m)))
     h.lying = ("/%s/bad/lying.db" % HOST, data)
 
-    # 9. Two thousand tiny manifests: 1,500 that are not manifests at all,
+    # 9. The packed layout, one chunk per pack: chunk 1's pack cut short
+    # before its end; chunk 1's range holding chunk 2's blob; and a layout
+    # placing chunk 1 past the largest pack a reader accepts (skipped).
+    h.packed_bad = []
+    for name in ("cut-pack.db", "wrong-range.db", "past-bound.db"):
+        data = os.urandom(3 * CHUNK_SIZE)
+        pub = publish(h.store, data, "/bad/" + name, packed=1)
+        one, two = chunk_source(pub.manifest, 1), chunk_source(pub.manifest, 2)
+        m = pub.manifest
+        if name == "cut-pack.db":
+            h.store.chunks.put(one.key, h.store.chunks.get(one.key)[:one.end - 1])
+            h.packed_bad.append(("/%s/bad/%s" % (HOST, name), data))
+            continue
+        at = 3  # chunk 1's three words: pack, offset, length
+        if name == "wrong-range.db":
+            m.layout.locations[at:at + 3] = m.layout.locations[2 * at:2 * at + 3]
+            h.packed_bad.append(("/%s/bad/%s" % (HOST, name), data))
+            key = pub.key
+        else:
+            m.layout.locations[at + 1] = MAX_PACK_BYTES - 10
+            key = h.add_skipped(name)
+        h.store.manifests.put(key, compress_manifest(encode_manifest(m)))
+        assert two.key != one.key
+
+    # 10. Two thousand tiny manifests: 1,500 that are not manifests at all,
     # 500 valid one-chunk databases.
     for i in range(1500):
         h.store.manifests.put(manifest_name("/junk/%04d.db" % i, HOST), os.urandom(12))
@@ -277,7 +306,7 @@ def test_hostile_manifests_are_skipped_with_a_log_line(hostile):
     for key in h.skipped:
         assert key in bad, key
         assert key in open(h.log_path).read(), key
-    for name in ("bomb.db", "over.db", "zstdbomb.db", "huge-object.db", "huge-len.db"):
+    for name in ("bomb.db", "over.db", "zstdbomb.db", "huge-object.db", "huge-len.db", "past-bound.db"):
         assert not os.path.exists(h.mount.path(HOST, "bad", name)), name
     assert len(os.listdir(h.mount.path(HOST, "tiny"))) == 500
     assert not os.path.exists(h.mount.path(HOST, "junk"))
@@ -294,7 +323,7 @@ def test_hostile_manifests_are_skipped_with_a_log_line(hostile):
 
 def test_oversized_chunk_and_lying_chunk_list_are_errors_not_short_reads(hostile):
     h = hostile
-    for where, data in (h.trailing, h.lying):
+    for where, data in [h.trailing, h.lying] + h.packed_bad:
         fd = os.open(h.mount.path(where), os.O_RDONLY)
         try:
             assert os.fstat(fd).st_size == len(data)

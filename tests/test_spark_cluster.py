@@ -3,12 +3,16 @@ and two workers started from PySpark's own `bin/spark-class`, each worker
 launching its own executor JVM and Python workers. The databases are read
 through one verneuil mount for the host (every executor sees the same
 path), or as plain files where FUSE is unavailable; the query's partitions
-must run on both workers and the rows equal the sources'. Every process
+must run on both workers and the rows equal the sources'. A second cluster
+has one worker on a "host" without the mount (its own mount and UTS
+namespaces, where the mount is detached and the host name is another): the
+driver must name that host and the path, without a traceback. Every process
 started here is ended by its process group in teardown."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import sqlite3
@@ -32,6 +36,8 @@ QUERY = "SELECT kind, count(*) AS n, sum(v) AS total FROM events GROUP BY kind"
 START_TIMEOUT = 90
 # Seconds a daemon has to exit after SIGTERM before it is killed.
 STOP_TIMEOUT = 15
+# The host name of the worker that has no mount.
+NO_MOUNT_HOST = "worker-without-mount"
 
 
 def _free_port() -> int:
@@ -44,14 +50,14 @@ class Daemon:
     """One `spark-class` JVM (master or worker) in its own process group,
     logging to a file."""
 
-    def __init__(self, name: str, args: list[str], log_dir: str):
+    def __init__(self, name: str, args: list[str], log_dir: str, prefix: tuple[str, ...] = ()):
         home = os.path.dirname(pyspark.__file__)
         env = dict(os.environ, SPARK_HOME=home, SPARK_LOCAL_IP="127.0.0.1",
                    SPARK_DAEMON_MEMORY="256m", SPARK_NO_DAEMONIZE="1")
         self.name = name
         self.log = os.path.join(log_dir, name + ".log")
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([os.path.join(home, "bin", "spark-class"), *args], env=env,
+            self.proc = subprocess.Popen([*prefix, os.path.join(home, "bin", "spark-class"), *args], env=env,
                                          stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -85,9 +91,9 @@ class Daemon:
             return
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cluster")
+def _start_cluster(root, workers: int, prefix: tuple[str, ...] = ()):
+    """A master and `workers` workers of one core each (the workers run
+    under `prefix`); returns (url, work dirs, daemons), the daemons to stop."""
     port = _free_port()
     url = "spark://127.0.0.1:%d" % port
     daemons = []
@@ -97,25 +103,65 @@ def cluster(tmp_path_factory):
         daemons.append(master)
         deadline = time.monotonic() + START_TIMEOUT
         master.wait_for("I have been elected leader", deadline)
-        workers = []
-        for i in (1, 2):
+        work_dirs = []
+        for i in range(1, workers + 1):
             work = root / ("worker%d" % i)
             work.mkdir()
             w = Daemon("worker%d" % i, ["org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
                                         "--cores", "1", "--memory", "1g", "--work-dir", str(work),
-                                        "--webui-port", str(_free_port()), url], str(root))
+                                        "--webui-port", str(_free_port()), url], str(root), prefix)
             daemons.append(w)
-            workers.append(str(work))
+            work_dirs.append(str(work))
         for w in daemons[1:]:
             w.wait_for("Successfully registered with master", deadline)
+    except BaseException:
+        for d in reversed(daemons):
+            d.stop()
+        raise
+    return url, work_dirs, daemons
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    url, workers, daemons = _start_cluster(root, 2)
+    try:
         yield url, workers, root
     finally:
         for d in reversed(daemons):
             d.stop()
 
 
+@pytest.fixture
+def cluster_without_mount(replicas, tmp_path_factory):
+    """A master and one worker whose host has no verneuil mount: the worker
+    runs in mount and UTS namespaces of its own, where the mount is detached
+    (umount -l there only) and the host name is NO_MOUNT_HOST. For one test
+    (which runs first), so that its JVMs are gone before `cluster` starts."""
+    _paths, _replica_dir, mountpoint = replicas
+    if mountpoint is None:
+        pytest.skip("no FUSE mount to leave out: %s" % fuse_unavailable())
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    root = tmp_path_factory.mktemp("cluster-without-mount")
+    # The host name must resolve there (the JVM looks itself up): a hosts
+    # file of that namespace's own, bound over /etc/hosts there only.
+    hosts = root / "hosts"
+    with open("/etc/hosts") as f:
+        hosts.write_text(f.read() + "\n127.0.0.1 %s\n" % NO_MOUNT_HOST)
+    prefix = ("unshare", "--mount", "--uts", "--propagation", "private", "--", "sh", "-c",
+              'hostname "$0" && mount --bind "$1" /etc/hosts && umount -l "$2" && shift 2 && exec "$@"',
+              NO_MOUNT_HOST, str(hosts), mountpoint)
+    url, _workers, daemons = _start_cluster(root, 1, prefix)
+    try:
+        yield url
+    finally:
+        for d in reversed(daemons):
+            d.stop()
+
+
 @pytest.fixture(scope="module")
-def replicas(cluster, tmp_path_factory):
+def replicas(tmp_path_factory):
     """The databases as the executors read them: through a verneuil mount
     of a store the copier filled, or the source files without FUSE."""
     root = tmp_path_factory.mktemp("cluster-data")
@@ -123,7 +169,7 @@ def replicas(cluster, tmp_path_factory):
     src.mkdir()
     if fuse_unavailable():
         paths = [_make(str(src / ("t%d.db" % i)), i, sqlite3.connect) for i in range(DATABASES)]
-        yield paths, str(src)
+        yield paths, str(src), None
         return
     import writer_vfs
     from verneuil_fuse import copier
@@ -136,7 +182,7 @@ def replicas(cluster, tmp_path_factory):
         bg.flush(timeout=120)
     mount = Mount(store_url, str(root / "mnt"), "cache_dir=%s" % (root / "cache")).start()
     try:
-        yield paths, mount.path(local_hostname(), str(src))
+        yield paths, mount.path(local_hostname(), str(src)), mount.mountpoint
     finally:
         mount.stop()
 
@@ -149,6 +195,28 @@ def _make(path: str, i: int, connect) -> str:
     con.commit()
     con.close()
     return path
+
+
+def _cluster_session(url: str, app: str, executors: int):
+    """A session on the cluster at `url` with `executors` executors of one
+    core, once they registered (any local session left by another module
+    stopped first)."""
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        active.stop()
+    spark = vspark.spark_session(url, app=app, conf={
+        "spark.driver.host": "127.0.0.1", "spark.executor.memory": "512m",
+        "spark.executor.cores": "1", "spark.cores.max": str(executors)})
+    status = spark.sparkContext._jsc.sc().getExecutorMemoryStatus
+    deadline = time.monotonic() + START_TIMEOUT
+    while status().size() < executors + 1 and time.monotonic() < deadline:
+        time.sleep(0.5)  # the driver counts as one
+    if status().size() != executors + 1:
+        _stop_session(spark)
+        raise AssertionError("executors did not register")
+    return spark
 
 
 def _stop_session(spark) -> None:
@@ -168,25 +236,44 @@ def _stop_session(spark) -> None:
     SparkContext._jvm = None
 
 
+def test_a_worker_without_the_mount_is_named_on_the_driver(cluster_without_mount, replicas):
+    """The only worker's host has no verneuil mount. on_error=fail: the
+    driver's error names a database, that executor host and what is
+    missing, in one line (no Python traceback); `verneuilctl query
+    --on-error skip` (a report read, then `without_errors` on the driver)
+    prints how many databases were skipped and why, and exits 0 (its
+    --on-error fail is the same error in one line: the end to end tests
+    check that form)."""
+    url = cluster_without_mount
+    _paths, replica_dir, _mountpoint = replicas
+    spark = _cluster_session(url, "verneuil-no-mount-test", 1)
+    try:
+        with pytest.raises(Exception) as failed:
+            spark.read.format("verneuil").option("query", QUERY).load(replica_dir).collect()
+        text = str(failed.value)
+        assert "query failed on %s/t" % replica_dir in text, text[-3000:]
+        assert "no verneuil mount holds it on this host" in text and "(executor host %s)" % NO_MOUNT_HOST in text
+        assert "Traceback" not in text, text[-3000:]
+    finally:
+        _stop_session(spark)
+    ctl = [os.path.join(os.path.dirname(sys.executable), "verneuilctl"), "query", replica_dir, QUERY,
+           "--master", url, "--show", "0"]
+    skipped = subprocess.run(ctl + ["--on-error", "skip"], capture_output=True, text=True, timeout=240)
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    assert "warning: skipped %d databases (on_error=skip):" % DATABASES in skipped.stderr, skipped.stderr[-3000:]
+    assert "no verneuil mount holds it on this host" in skipped.stderr
+    assert skipped.stderr.count("(executor host %s)" % NO_MOUNT_HOST) == DATABASES, skipped.stderr[-3000:]
+    assert "Traceback" not in skipped.stderr
+
+
 def test_query_runs_on_both_workers(cluster, replicas):
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType
 
     url, workers, _root = cluster
-    paths, replica_dir = replicas
-    active = SparkSession.getActiveSession()
-    if active is not None:  # a local session left by another module
-        active.stop()
-    spark = vspark.spark_session(url, app="verneuil-cluster-test", conf={
-        "spark.driver.host": "127.0.0.1", "spark.executor.memory": "512m",
-        "spark.executor.cores": "1", "spark.cores.max": "2"})
+    paths, replica_dir, _mountpoint = replicas
+    spark = _cluster_session(url, "verneuil-cluster-test", 2)
     try:
-        sc = spark.sparkContext
-        deadline = time.monotonic() + START_TIMEOUT
-        while sc._jsc.sc().getExecutorMemoryStatus().size() < 3 and time.monotonic() < deadline:
-            time.sleep(0.5)  # the driver and both executors
-        assert sc._jsc.sc().getExecutorMemoryStatus().size() == 3, "executors did not register"
 
         # The executor's working directory is <worker dir>/<app>/<executor id>:
         # a Python UDF in the same task as the scan tells which worker ran it.

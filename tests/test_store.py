@@ -254,6 +254,37 @@ def test_get_max_bytes(any_store):
         c.get(CHUNK, max_bytes=-1)
 
 
+def test_get_if_changed(any_store):
+    """A conditional read: the blob and its tag, then None while the key
+    holds that version (S3: If-None-Match answered 304, on the engine and
+    on boto3), then the new blob once it is written again, even with the
+    same length; NotFound and max_bytes as for `get`."""
+    m = any_store.manifests
+    m.put(MANIFEST, b"first version")
+    first = m.get_if_changed(MANIFEST, None)
+    assert first is not None and first.data == b"first version" and first.tag
+    assert m.get_if_changed(MANIFEST, None).tag == first.tag
+    assert m.get_if_changed(MANIFEST, first.tag) is None
+    assert m.get_if_changed(MANIFEST, first.tag, max_bytes=1) is None  # nothing read, nothing bounded
+    m.put(MANIFEST, b"other version")  # same length
+    second = m.get_if_changed(MANIFEST, first.tag)
+    assert second is not None and second.data == b"other version" and second.tag != first.tag
+    assert m.get_if_changed(MANIFEST, second.tag) is None
+    assert m.get_if_changed(MANIFEST, "no such tag").data == b"other version"
+    with pytest.raises(TooLarge):
+        m.get_if_changed(MANIFEST, first.tag, max_bytes=5)
+    with pytest.raises(NotFound):
+        m.get_if_changed(MANIFEST + "x", None)
+    with pytest.raises(NotFound):
+        m.get_if_changed(MANIFEST + "x", second.tag)
+    if s3_only(any_store):  # the engine path, then boto3's, give the same answers
+        assert m._engine_conditional(MANIFEST, second.tag, None) is None
+        m.use_engine = False
+        assert m.get_if_changed(MANIFEST, second.tag) is None
+        third = m.get_if_changed(MANIFEST, first.tag)
+        assert third.data == b"other version" and third.tag == second.tag
+
+
 def test_get_version_max_bytes(any_store):
     m = any_store.manifests
     m.put(MANIFEST, b"old version, longer")
@@ -846,6 +877,26 @@ def test_open_store_s3_forms(aws_env, monkeypatch):
     assert store_target(parse_config(target_url_of(custom))) == custom
 
 
+def test_layout_in_urls_and_configs(tmp_path):
+    """`layout=packed` in a file:// or s3:// URL and in a target of
+    VERNEUIL_CONFIG; chunks (Verneuil's) by default, and then absent from
+    the canonical URL."""
+    d = str(tmp_path / "st")
+    for spec in ("file://%s?layout=packed" % d, {"directory": {"path": d, "layout": "packed"}},
+                 {"replication_targets": [{"local": {"directory": "/c"}},
+                                          {"directory": {"path": d, "layout": "packed"}}]}):
+        store = open_store(spec)
+        assert store.layout == "packed" and store.url == "file://%s?layout=packed" % d
+        assert open_store(store.url).layout == "packed"
+    plain = open_store("file://%s" % d)
+    assert plain.layout == "chunks" and "layout=" not in plain.url
+    assert open_store("file://%s?layout=chunks" % d).url == plain.url
+    target = store_target(parse_config("s3://c?manifest_bucket=m&layout=packed"))
+    assert target["layout"] == "packed" and "layout=packed" in target_url_of(target)
+    assert store_target(parse_config({"s3": {"chunk_bucket": "c", "layout": "packed"}}))["layout"] == "packed"
+    assert store_target(parse_config("s3://c"))["layout"] == "chunks"
+
+
 def target_url_of(target):
     from verneuil_fuse.store import target_url
 
@@ -868,6 +919,9 @@ BAD_SPECS = [
     ("s3://b?endpoint=", "empty"),
     ("s3://b?addressing=sideways", "addressing"),
     ("s3://b?colour=blue", "unknown s3 URL parameter"),
+    ("s3://b?layout=zip", "layout must be chunks or packed"),
+    ("file:///d?layout=", "layout must be chunks or packed"),
+    ({"directory": {"path": "/d", "layout": 1}}, "layout must be chunks or packed"),
     ("s3://b?chunk_prefix=x/&manifest_prefix=x/", "share"),
     ("@/nonexistent/config.json", "cannot read"),
     ("@", "followed by"),

@@ -17,7 +17,7 @@ PYTHON_PACKAGES = ("verneuil_fuse", "writer_vfs")
 # verneuil_fuse's layers, lowest first: a module may import its own layer
 # and the ones below, never one above.
 LAYERS = {
-    "format": 0, "errors": 0,
+    "format": 0, "errors": 0, "logs": 0,
     "store": 1,
     "history": 2, "metrics": 2, "config": 2,
     "reader": 3, "copier": 3,

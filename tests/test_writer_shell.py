@@ -35,8 +35,11 @@ def run_shell(script: str, config, tmp_path) -> subprocess.CompletedProcess:
 def test_shell_writes_through_loadable_extension(tmp_path, config_in_file):
     spool = str(tmp_path / "spool")
     db = str(tmp_path / "shell.db")
+    # The store targets the writer skips, this project's packed layout key included.
     config = {"replication_spooling_dir": spool,
-              "replication_targets": [{"local": {"directory": "/nowhere", "num_shards": 4}}],
+              "replication_targets": [{"local": {"directory": "/nowhere", "num_shards": 4}},
+                                      {"directory": {"path": "/nowhere", "layout": "packed"}},
+                                      {"s3": {"chunk_bucket": "c", "layout": "packed"}}],
               "make_default": False}
     if config_in_file:
         (tmp_path / "config.json").write_text(json.dumps(config))
@@ -142,4 +145,4 @@ INSERT INTO t VALUES (1);
                          capture_output=True, text=True, timeout=60)
     assert lag.returncode == 0, lag.stderr
     assert os.path.realpath(db) in lag.stdout and "[WAL mode]" in lag.stdout, lag.stdout
-    assert "source changed" not in lag.stdout, lag.stdout
+    assert "source changed" not in lag.stdout and "never snapshotted" not in lag.stdout, lag.stdout

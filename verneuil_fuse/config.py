@@ -9,16 +9,22 @@ around it:
 - `replication_spooling_dir` (Verneuil's key): the spool directory;
 - `copier` (this project's addition, optional): an object with any of
   `rate` (requests per second, 0 = unpaced), `burst`, `workers`, `db_workers`,
-  `poll_interval`, `lock_timeout`, `touch_interval` (seconds).
+  `poll_interval`, `lock_timeout`, `touch_interval` (seconds);
+- `max_db_size` (this project's addition, optional): the largest database
+  replicated, in bytes, at most and by default `format.MAX_REPLICATED_DB_SIZE`
+  (about 1.5 TiB); the writer (csrc/config.c reads the same key), the copier
+  and `verneuilctl lag` apply it alike (`max_db_size`).
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
+from . import format as fmt
 from .store import ENV_VAR, ConfigError, parse_config
 from .store.config import env_config_present
 
 SPOOL_KEY = "replication_spooling_dir"
+MAX_DB_SIZE_KEY = "max_db_size"
 COPIER_KEY = "copier"
 COPIER_OPTIONS = {"rate": float, "burst": int, "workers": int, "db_workers": int,
                   "poll_interval": float,
@@ -74,3 +80,16 @@ def copier_options(config: dict[str, Any]) -> dict[str, Any]:
         except (TypeError, ValueError):
             raise ConfigError("%s.%s must be a number" % (COPIER_KEY, key)) from None
     return out
+
+
+def max_db_size(config: dict[str, Any]) -> int:
+    """The largest database replicated (`max_db_size`, bytes): 1 to
+    `format.MAX_REPLICATED_DB_SIZE`, which is also the default."""
+    value = config.get(MAX_DB_SIZE_KEY)
+    if value is None:
+        return fmt.MAX_REPLICATED_DB_SIZE
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= fmt.MAX_REPLICATED_DB_SIZE:
+        raise ConfigError("%s must be a number of bytes from 1 to %d (%s), not %r"
+                          % (MAX_DB_SIZE_KEY, fmt.MAX_REPLICATED_DB_SIZE,
+                             fmt.format_size(fmt.MAX_REPLICATED_DB_SIZE), value))
+    return value

@@ -3,13 +3,24 @@ replicas out, errors translated to errno. The only module that raises
 ``FUSEError``; it holds no state beyond open handles.
 
 - Read-only: opening for writing fails with EROFS, every modifying call too.
-- Database files: ``keep_cache=True`` (a version is an inode whose bytes never
-  change, so the kernel page cache stays valid), never ``direct_io``; their
+- Database files: ``keep_cache=True``, never ``direct_io``; their
   attributes may be cached long. Entries are cached for ``entry_timeout`` and
   invalidated when a new version replaces them.
-- At a version's first open, its bundled chunks (chunk 0, and the chunks of
-  the upper b-tree levels a writer may bundle) are stored in the kernel's
-  page cache (`Replica.take_preload`), before any read.
+- Following (the default, `follow.Followers`): a live name is looked up to
+  a follower, an inode of its own per open handle, which moves to the newest
+  version at a READ at offset 0 (SQLite's transaction start); an open of a
+  follower that has a handle, or that a lookup of another thread holds, is
+  answered ESTALE, and the kernel then looks the name up again and opens
+  another. A follower's page cache is dropped through its attributes (a new
+  mtime after an attribute-only invalidation), never by touching pages from
+  a request. Without following (``follow=off``), a live name is looked up to
+  its newest version's inode, which an open handle reads until it is closed
+  (a version is an inode whose bytes never change, so the page cache stays
+  valid); past states are always such pinned inodes.
+- At a version's first open (a follower's: once per generation of its page
+  cache), its bundled chunks (chunk 0, and the chunks of the upper b-tree
+  levels a writer may bundle) are stored in the kernel's page cache, before
+  any read.
 - Past states (``app.db@<time>``, see `catalog`) are looked up like any
   name, with a store request or a few when not cached; a store that fails
   then answers ``EREMOTEIO``.
@@ -39,6 +50,7 @@ import pyfuse3
 
 from verneuil_fuse.reader.catalog import Catalog, DbEntry, Directory, Parked, Stale, StatsFile
 from verneuil_fuse.reader.fetcher import FetchError
+from verneuil_fuse.reader.follow import Follower, Followers
 from verneuil_fuse.format import CHUNK_SIZE
 from verneuil_fuse.reader.replica import Cursor, Replica
 
@@ -54,6 +66,9 @@ STORE_ERRNO = errno.EREMOTEIO
 # (a manifest is written by whoever can write the store) would raise inside
 # the handler instead of answering.
 MAX_TIME_NS = (1 << 63) - 1
+# What SQLite appends to a database's name for its rollback journal, whose
+# existence it checks at every read transaction's start (with ``stat``).
+JOURNAL_SUFFIX = "-journal"
 MAX_SIZE = (1 << 63) - 1
 
 _F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
@@ -99,14 +114,25 @@ class VerneuilFS(pyfuse3.Operations):
         entry_timeout: float = 1.0,
         attr_timeout: float = 3600.0,
         dir_timeout: float = 1.0,
+        uid: int | None = None,
+        gid: int | None = None,
+        umask: int = 0,
+        followers: Followers | None = None,
     ):
         super().__init__()
         self.catalog = catalog
+        self.followers = followers
+        if followers is not None:
+            followers.invalidate_attrs = self.invalidate_attrs
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
         self.dir_timeout = dir_timeout
-        self.uid = os.getuid()
-        self.gid = os.getgid()
+        # Owner and permissions of every entry: the mounting user's, read
+        # for all, unless the mount's uid=, gid=, umask= say otherwise.
+        self.uid = os.getuid() if uid is None else uid
+        self.gid = os.getgid() if gid is None else gid
+        self.file_mode = 0o444 & ~umask
+        self.dir_mode = 0o555 & ~umask
         self._handles: dict[int, _Handle] = {}
         self._dir_handles: dict[int, list[tuple[str, Any]]] = {}
         self._next_fh = 1
@@ -120,6 +146,42 @@ class VerneuilFS(pyfuse3.Operations):
     def invalidate(self, parent_inode: int, name: str) -> None:
         if self.mounted:
             pyfuse3.invalidate_entry_async(parent_inode, os.fsencode(name), ignore_enoent=True)
+
+    def invalidate_attrs(self, inode: int) -> None:
+        """Make the kernel ask for ``inode``'s attributes at its next use
+        (attributes only: no page is touched, so no request can wait on it)."""
+        if self.mounted:
+            try:
+                pyfuse3.invalidate_inode(inode, attr_only=True)
+            except OSError as e:  # an inode the kernel already forgot
+                log.debug("invalidate inode %d: %s", inode, e)
+
+    def _live_entry(self, node: Any) -> DbEntry | None:
+        """The database whose newest version ``node`` is, if it is one."""
+        if not isinstance(node, (Replica, Parked)):
+            return None
+        entry = self.catalog.entries.get(node.key)
+        return entry if entry is not None and entry.current is node else None
+
+    def _follower_of(self, node: Any, tid: int | None) -> Any:
+        """With following, the follower a live version's name is handed out
+        as (`Followers.acquire`); anything else as is."""
+        entry = self._live_entry(node) if self.followers is not None else None
+        return node if entry is None else self.followers.acquire(entry, tid)
+
+    def _transaction_starts(self, parent_inode: int, name: str) -> None:
+        """SQLite looks for ``name``'s hot journal: one of its connections
+        starts a read transaction (`Followers.transaction_starts`)."""
+        parent = self.catalog.get(parent_inode)
+        entry = parent.entries.get(name) if isinstance(parent, Directory) else None
+        if isinstance(entry, DbEntry):
+            self.followers.transaction_starts(entry)
+
+    def _remember(self, node: Any) -> None:
+        if isinstance(node, Follower):
+            self.followers.remember(node)
+        else:
+            self.catalog.remember(node)
 
     def _node(self, inode: int) -> Any:
         node = self.catalog.get(inode)
@@ -139,7 +201,7 @@ class VerneuilFS(pyfuse3.Operations):
         a.st_blksize = CHUNK_SIZE
         if isinstance(node, Directory):
             a.st_ino = node.inode
-            a.st_mode = stat.S_IFDIR | 0o555
+            a.st_mode = stat.S_IFDIR | self.dir_mode
             a.st_nlink = 2 + sum(isinstance(n, Directory) for n in node.entries.values())
             a.st_size = 0
             t = node.mtime_ns
@@ -148,22 +210,24 @@ class VerneuilFS(pyfuse3.Operations):
             # Known by name only (a listing): no size yet. Handed to the
             # kernel uncached, so that a stat looks it up (and reads it).
             a.st_ino = node.inode
-            a.st_mode = stat.S_IFREG | 0o444
+            a.st_mode = stat.S_IFREG | self.file_mode
             a.st_nlink = 1
             a.st_size = 0
             t = int(max(0.0, node.listed_mtime) * 1e9)
             a.entry_timeout = a.attr_timeout = 0
-        elif isinstance(node, (Replica, Parked)):
+        elif isinstance(node, (Replica, Parked, Follower)):
             a.st_ino = node.inode
-            a.st_mode = stat.S_IFREG | 0o444
+            a.st_mode = stat.S_IFREG | self.file_mode
             a.st_nlink = 1
-            a.st_size = node.size
-            t = node.mtime_ns
+            if isinstance(node, Follower):
+                a.st_size, t = self.followers.attributes(node)
+            else:
+                a.st_size, t = node.size, node.mtime_ns
             a.entry_timeout = self.entry_timeout
             a.attr_timeout = self.attr_timeout
         elif isinstance(node, StatsFile):
             a.st_ino = node.inode
-            a.st_mode = stat.S_IFREG | 0o444
+            a.st_mode = stat.S_IFREG | self.file_mode
             a.st_nlink = 1
             a.st_size = 0
             t = self.catalog.root.mtime_ns
@@ -186,6 +250,8 @@ class VerneuilFS(pyfuse3.Operations):
             node = self._node(parent_inode)
             node = node.parent or node if isinstance(node, Directory) else node
         else:
+            if self.followers is not None and text.endswith(JOURNAL_SUFFIX):
+                self._transaction_starts(parent_inode, text[: -len(JOURNAL_SUFFIX)])
             try:
                 node = await self.catalog.lookup(parent_inode, text)
                 if node is None and "@" in text:
@@ -195,18 +261,27 @@ class VerneuilFS(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(STORE_ERRNO) from None
         if node is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
-        self.catalog.remember(node)
+        node = self._follower_of(node, ctx.pid if ctx is not None else 0)
+        self._remember(node)
         return self.attributes(node)
 
     @_guarded
     async def forget(self, inode_list):
         for inode, nlookup in inode_list:
-            self.catalog.forget(inode, nlookup)
+            node = self.catalog.get(inode)
+            if isinstance(node, Follower):
+                self.followers.forget(node, nlookup)
+            else:
+                self.catalog.forget(inode, nlookup)
 
     @_guarded
     async def getattr(self, inode, ctx=None):
         try:
-            node = await self.catalog.materialize(self._node(inode))
+            node = self._node(inode)
+            if isinstance(node, Follower):
+                await self.followers.refresh(node)
+            else:
+                node = await self.catalog.materialize(node)
         except FetchError as e:
             log.error("getattr of inode %d: %s", inode, e)
             raise pyfuse3.FUSEError(STORE_ERRNO) from None
@@ -240,10 +315,12 @@ class VerneuilFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EBADF)
         for i in range(start_id, len(entries)):
             name, node = entries[i]
+            if i >= 2:
+                node = self._follower_of(node, None)
             if not pyfuse3.readdir_reply(token, os.fsencode(name), self.attributes(node), i + 1):
                 break
             if i >= 2:  # the kernel takes no reference for "." and ".."
-                self.catalog.remember(node)
+                self._remember(node)
 
     @_guarded
     async def releasedir(self, fh):
@@ -269,33 +346,81 @@ class VerneuilFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
         if isinstance(node, Directory):
             raise pyfuse3.FUSEError(errno.EISDIR)
+        if isinstance(node, Follower):
+            return await self._open_follower(node, ctx.pid if ctx is not None else 0)
         fh = self._fh()
         if isinstance(node, StatsFile):
             self._handles[fh] = _Handle(node, data=node.render())
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
-        try:
-            node = await self.catalog.decoded(node)
-        except Stale as e:
-            log.info("open: %s", e)
-            raise pyfuse3.FUSEError(errno.ESTALE) from None
-        except FetchError as e:
-            log.error("open of inode %d: %s", inode, e)
-            raise pyfuse3.FUSEError(STORE_ERRNO) from None
+        node = await self._decoded_for_open(self.catalog.decoded(node), "inode %d" % inode)
         if not isinstance(node, Replica):
             raise pyfuse3.FUSEError(errno.ENOENT)
         if node.inode != inode:  # a newer version replaced what this inode named
             raise pyfuse3.FUSEError(errno.ESTALE)
         self.catalog.opened(node)
         self._handles[fh] = _Handle(node)
-        for off, data in node.take_preload() if self.preload else ():
+        self._preload(inode, node, node.take_preload() if self.preload else [])
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
+
+    @staticmethod
+    async def _decoded_for_open(decoding: Awaitable[Any], what: str) -> Any:
+        """The version an open reads (``decoding`` it); a version the store
+        no longer has is ESTALE (the kernel looks the name up again), a
+        store failure EREMOTEIO."""
+        try:
+            return await decoding
+        except Stale as e:
+            log.info("open: %s", e)
+            raise pyfuse3.FUSEError(errno.ESTALE) from None
+        except FetchError as e:
+            log.error("open of %s: %s", what, e)
+            raise pyfuse3.FUSEError(STORE_ERRNO) from None
+
+    async def _open_follower(self, f: Follower, tid: int) -> pyfuse3.FileInfo:
+        """Open a follower (`Followers.may_open`, else ESTALE) on its
+        database's newest version."""
+        if not self.followers.may_open(f, tid):
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        replica = await self._decoded_for_open(self.followers.newest_decoded(f), f.path)
+        if replica is None or not self.followers.may_open(f, tid):  # gone, or taken while it was read
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        preload = self.followers.opened(f, replica)
+        fh = self._fh()
+        self._handles[fh] = _Handle(f)
+        self._preload(f.inode, replica, replica.preload_chunks() if preload and self.preload else [])
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
+
+    def _preload(self, inode: int, replica: Replica, chunks: list[tuple[int, bytes]]) -> None:
+        """Store ``chunks`` of ``replica`` in ``inode``'s page cache, in an
+        open, before any READ of it (`notify_store`)."""
+        for off, data in chunks:
             try:
                 pyfuse3.notify_store(inode, off, data)
             except OSError as e:
                 self.preload = False
                 log.info("the kernel does not take page-cache stores (%s): bundled chunks are read on demand", e)
                 break
-            node.preloaded += len(data)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
+            replica.preloaded += len(data)
+
+    async def _follower_replica(self, handle: _Handle, off: int) -> Replica:
+        """The version a READ of a follower's handle is answered from,
+        after moving the handle to the newest version when this READ may
+        (`Followers.read_version`)."""
+        f = handle.node
+        current, target = self.followers.read_version(f, off)
+        if target is None:
+            return current
+        try:
+            newest = await self.catalog.decoded(target)
+        except (Stale, FetchError) as e:
+            log.info("%s: stays on version %s: %s", current.path, current.version[:16], e)
+            newest = None
+        if not isinstance(newest, Replica) or not self.followers.still_clean(f, current):
+            self.followers.touched(f)
+            return f.replica
+        self.followers.switch(f, newest)
+        handle.cursor = Cursor()
+        return newest
 
     @_guarded
     async def read(self, fh, off, size):
@@ -305,8 +430,10 @@ class VerneuilFS(pyfuse3.Operations):
         node = handle.node
         if isinstance(node, StatsFile):
             return handle.data[off : off + size]
-        log.debug("read %s [%d, +%d)", node.path, off, size)
         try:
+            if isinstance(node, Follower):
+                node = await self._follower_replica(handle, off)
+            log.debug("read %s [%d, +%d)", node.path, off, size)
             return await node.read(off, size, handle.cursor)
         except FetchError as e:
             self.read_errors += 1
@@ -320,7 +447,9 @@ class VerneuilFS(pyfuse3.Operations):
     @_guarded
     async def release(self, fh):
         handle = self._handles.pop(fh, None)
-        if handle is not None and isinstance(handle.node, Replica):
+        if handle is not None and isinstance(handle.node, Follower):
+            self.followers.released(handle.node)
+        elif handle is not None and isinstance(handle.node, Replica):
             self.catalog.released(handle.node)
 
     @_guarded

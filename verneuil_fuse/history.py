@@ -8,11 +8,14 @@ the source file's ctime its manifest carries (nanoseconds; the moment the
 database was in that state, also the mtime the mount shows) when the manifest
 can be read and the ctime is plausible, else the store's time of the upload.
 
-The state at time T is the newest version whose time is at or before T (a
-version whose time is exactly T counts).  Copiers upload a database's
-manifests in order (COPIER.md), so times grow along the history, and
-`newest_at` finds that version by binary search: O(log n) manifests read,
-not n.
+The state at time T is the newest version, in the store's order, whose
+time is at or before T (a version whose time is exactly T counts).  Times
+usually grow along the history (copiers upload a database's manifests in
+order, COPIER.md), but not when the writer's clock stepped back: versions
+at +10, +30, +20, +40 s give +20 at +22 and +35.  So `newest_at` walks the
+history from the newest version back until one is that old: one manifest
+read per version newer than the one chosen (none past the first when T is
+after the newest version, the common case).
 
 Times are written (`parse_time`) as ISO 8601: ``2026-11-26``,
 ``2026-11-26T19:00``, ``2026-11-26T19:00:00``, with up to 9 decimals of
@@ -36,6 +39,12 @@ NS = 1_000_000_000
 # Latest time accepted from a manifest, in seconds: 2**63 - 1 nanoseconds
 # (year 2262), the most a file time can hold (and what the mount can show).
 MAX_TIME_S = ((1 << 63) - 1) // NS - 1
+# The times `parse_time` accepts, in nanoseconds: what a signed 64-bit
+# count of nanoseconds holds (1677-09-21 to 2262-04-11), the range of every
+# time the store, the mount and `format_time` deal in. Anything outside is
+# `BadTime`, one line, not an overflow deep inside.
+MIN_TIME_NS = -(1 << 63)
+MAX_TIME_NS = (1 << 63) - 1
 
 # ISO 8601 date, optional time (minutes or seconds, up to 9 decimals) and
 # optional zone.
@@ -61,12 +70,21 @@ def parse_time(text: str, now_ns: Optional[int] = None) -> int:
     docstring); `now_ns` (default: the clock) anchors relative times."""
     if not isinstance(text, str) or len(text) > MAX_TIME_TEXT:
         raise BadTime("not a time: %r" % (text if isinstance(text, str) else type(text).__name__))
+    at = _parse(text, now_ns)
+    if not MIN_TIME_NS <= at <= MAX_TIME_NS:
+        raise BadTime("not a time: %r (out of range: times go from %s to %s)"
+                      % (text, format_time(MIN_TIME_NS), format_time(MAX_TIME_NS)))
+    return at
+
+
+def _parse(text: str, now_ns: Optional[int]) -> int:
+    """`parse_time` before its range check (any integer)."""
     stripped = text.strip()
     rel = RELATIVE_RE.match(stripped)
     if rel is not None:
-        ago = sum(float(n) * _UNIT_SECONDS[u] for n, u in _RELATIVE_PART_RE.findall(rel.group(1)))
+        ago = sum(int(round(float(n) * _UNIT_SECONDS[u] * NS)) for n, u in _RELATIVE_PART_RE.findall(rel.group(1)))
         now = time.time_ns() if now_ns is None else now_ns
-        return now - int(round(ago * NS))
+        return now - ago
     m = _ISO_RE.match(stripped)
     if m is None:
         raise BadTime("not a time: %r (use ISO 8601 such as 2026-11-26T19:00:00Z, or -2h, -30m, -1d)"
@@ -112,36 +130,33 @@ def version_time_ns(manifest: Any, store_time: float) -> tuple[int, str]:
 
 
 def newest_at(count: int, at_ns: int, time_of: Callable[[int], int]) -> Optional[int]:
-    """Index of the newest of `count` versions (oldest first) whose time
-    (`time_of(index)`) is at or before `at_ns`; None when none is that old.
-    The newest version is looked at first (the common "now-ish" case), then
-    a binary search."""
-    if count == 0:
-        return None
-    if time_of(count - 1) <= at_ns:
-        return count - 1
-    lo, hi = 0, count - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if time_of(mid) <= at_ns:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1 if lo > 0 else None
+    """Index of the newest of `count` versions (in the store's order, oldest
+    first) whose time (`time_of(index)`) is at or before `at_ns`; None when
+    none is that old. Walks back from the newest (module docstring)."""
+    for index in range(count - 1, -1, -1):
+        if time_of(index) <= at_ns:
+            return index
+    return None
+
+
+# `newest_at_async` asks for the times of this many versions at once (the
+# mount reads their manifests in parallel, behind its own bound), after the
+# newest alone.
+TIMES_AT_ONCE = 8
 
 
 async def newest_at_async(count: int, at_ns: int,
-                          time_of: Callable[[int], Awaitable[int]]) -> Optional[int]:
-    """`newest_at` with an async `time_of` (the mount)."""
-    if count == 0:
-        return None
-    if await time_of(count - 1) <= at_ns:
-        return count - 1
-    lo, hi = 0, count - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if await time_of(mid) <= at_ns:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1 if lo > 0 else None
+                          times_of: Callable[[list[int]], Awaitable[list[int]]]) -> Optional[int]:
+    """`newest_at` for the mount: `times_of(indices)` gives the times of
+    several versions at once; the newest alone first, then
+    `TIMES_AT_ONCE` at a time going back."""
+    top = count
+    batch = 1
+    while top > 0:
+        indices = list(range(top - 1, max(-1, top - 1 - batch), -1))
+        for index, t in zip(indices, await times_of(indices)):
+            if t <= at_ns:
+                return index
+        top = indices[-1]
+        batch = TIMES_AT_ONCE
+    return None

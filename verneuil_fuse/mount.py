@@ -30,15 +30,18 @@ from typing import TYPE_CHECKING
 
 from verneuil_fuse import __version__
 from verneuil_fuse.errors import EXIT_INTERRUPTED, EXIT_MOUNT, EXIT_SOURCE, EXIT_USAGE, UserError
+from verneuil_fuse.logs import formatter
 from verneuil_fuse.reader.fetcher import DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_CONCURRENCY, DEFAULT_DEADLINE
 from verneuil_fuse.format import CHUNK_SIZE, DEFAULT_MAX_DB_SIZE
 from verneuil_fuse.reader.replica import PrefetchConfig
 
 if TYPE_CHECKING:  # annotations only: `serve` imports these itself, so pyfuse3 loads only to mount
     from verneuil_fuse.fs import VerneuilFS
+    from verneuil_fuse.metrics import MetricsServer
     from verneuil_fuse.reader.cache import ChunkCache
     from verneuil_fuse.reader.catalog import Catalog
     from verneuil_fuse.reader.fetcher import Fetcher
+    from verneuil_fuse.reader.watch import Watch
     from verneuil_fuse.store import Store
 
 log = logging.getLogger("verneuil_fuse.mount")
@@ -68,12 +71,24 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
   cache_dir=PATH          chunk cache directory, shared by all mounts and kept
                           across remounts (default: /var/cache/verneuil as root,
                           else ~/.cache/verneuil)
-  cache_size=SIZE         bound of the disk cache, e.g. 2G, 512M; 0 = no disk
-                          cache, else at least 16M (default 2G); the cache
-                          also leaves 5% of its file system free (at most 1G)
+  cache_size=SIZE         bound of the disk cache this mount keeps (mounts
+                          sharing a cache_dir each add theirs), e.g. 2G, 512M;
+                          0 = no disk cache, else at least 16M (default 2G);
+                          it also leaves 5% of its file system free (at most 1G)
   mem_cache=SIZE          in-process cache of hot chunks (default 64M)
   refresh=SECONDS         how often the store is polled for new or removed
                           databases and versions (default 10)
+  follow=on|off           open handles of a live database follow it: a SQLite
+                          connection (mode=ro, not immutable=1) moves to the
+                          newest version at its next read transaction, each
+                          open handle with a page cache of its own; off: a
+                          handle reads the version it opened until it is
+                          closed, and concurrent handles share one page
+                          cache (default on)
+  follow_interval=SECONDS how often the manifests of the databases open or
+                          opened in the last minute are checked (a
+                          conditional GET each, 304 while unchanged); 0: only
+                          the poll (default 0.5)
   readahead=on|off        sequential readahead (default on)
   readahead_max=N         largest readahead window, in 64 KiB chunks (default 256)
   cache_readahead_max=N   largest readahead window for chunks already in the
@@ -119,6 +134,19 @@ rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
                           not up yet at boot), keep trying for this long,
                           waiting 1 s doubling to 10 s between attempts, before
                           failing (default 0: fail at once)
+  metrics_port=PORT       also serve /.verneuil/metrics over HTTP at
+                          http://ADDRESS:PORT/metrics, for Prometheus
+                          (0: any free port, named in the log and the stats)
+  metrics_address=ADDRESS the address for metrics_port (default 127.0.0.1;
+                          0.0.0.0 for every interface)
+  uid=USER, gid=GROUP     owner of every file and directory, a number or a
+                          name (default: the mounting user's)
+  umask=MODE              permission bits taken away, in octal: files are
+                          0444 and directories 0555 less these (default 0;
+                          with allow_other, umask=027 keeps others out)
+  subdir=/HOST[/PATH]     mount one host's databases, or one directory of
+                          them: the directory /HOST/PATH of the whole tree
+                          becomes the mount's root
 """
 
 # The kernel's readahead for the mount. libfuse answers the kernel's INIT with
@@ -167,6 +195,12 @@ ROOT_LOG_DIR = "/var/log/verneuil"
 # Another directory for those default log files (a service's own log
 # directory; the tests' temporary one).
 LOG_DIR_ENV = "VERNEUIL_LOG_DIR"
+# metrics_port listens on loopback unless told otherwise: the series name
+# the databases of the host.
+DEFAULT_METRICS_ADDRESS = "127.0.0.1"
+# Largest uid= or gid=: the kernel's ids are 32 bits, and (uid_t)-1 means
+# "no change" to the system calls that take one.
+MAX_ID = (1 << 32) - 2
 
 
 @dataclass
@@ -179,6 +213,8 @@ class Options:
     cache_size: int = 2 << 30
     mem_cache: int = 64 << 20
     refresh: float = 10.0
+    follow: bool = True
+    follow_interval: float | None = None  # None: reader.watch.DEFAULT_INTERVAL (imported only to mount)
     readahead: bool = True
     readahead_max: int = PrefetchConfig.readahead_max
     cache_readahead_max: int = 0
@@ -198,6 +234,12 @@ class Options:
     profile: str | None = None
     credentials_file: str | None = None
     start_retry: float = 0.0
+    metrics_port: int | None = None
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
+    uid: int | None = None
+    gid: int | None = None
+    umask: int = 0
+    subdir: str = ""
 
 
 _SIZE = re.compile(r"\A(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\Z", re.I)
@@ -284,6 +326,60 @@ def _profile(text: str) -> str:
     return text
 
 
+def _port(text: str) -> int:
+    v = int(text)
+    if not 0 <= v <= 65535:
+        raise ValueError("a TCP port, 0 to 65535")
+    return v
+
+
+def _address(text: str) -> str:
+    if not text or any(c.isspace() for c in text):
+        raise ValueError("not an address: %r" % text)
+    return text
+
+
+def _named_id(text: str, lookup, what: str) -> int:
+    """A user or group id: a number, or a name `lookup` finds on this host."""
+    if re.fullmatch(r"[0-9]+", text):
+        if int(text) > MAX_ID:
+            raise ValueError("at most %d" % MAX_ID)
+        return int(text)
+    try:
+        return lookup(text)
+    except KeyError:
+        raise ValueError("no %s %r on this host" % (what, text)) from None
+
+
+def _uid(text: str) -> int:
+    import pwd
+
+    return _named_id(text, lambda name: pwd.getpwnam(name).pw_uid, "user")
+
+
+def _gid(text: str) -> int:
+    import grp
+
+    return _named_id(text, lambda name: grp.getgrnam(name).gr_gid, "group")
+
+
+def _umask(text: str) -> int:
+    try:
+        v = int(text, 8)
+    except ValueError:
+        raise ValueError("an octal mode such as 022 or 0077") from None
+    if not 0 <= v <= 0o777:
+        raise ValueError("an octal mode from 0 to 0777")
+    return v
+
+
+def _subdir(text: str) -> str:
+    parts = [p for p in text.split("/") if p]
+    if not text.startswith("/") or not parts or any(p in (".", "..") for p in parts):
+        raise ValueError("a directory of the tree, /HOST or /HOST/PATH, such as /web1/srv/data")
+    return "/" + "/".join(parts)
+
+
 def _fuse_value(text: str) -> str:
     """A value libfuse can take in one option: printable ASCII without the
     comma it splits on or the backslash it unescapes (pyfuse3 encodes options
@@ -296,6 +392,8 @@ _OWN = {
     "cache_size": _cache_size,
     "mem_cache": parse_size,
     "refresh": _seconds,
+    "follow": _bool,
+    "follow_interval": _nonneg_seconds,
     "readahead": _bool,
     "readahead_max": _nonneg_int,
     "cache_readahead_max": _nonneg_int,
@@ -315,6 +413,12 @@ _OWN = {
     "profile": _profile,
     "credentials_file": _path,
     "start_retry": _nonneg_seconds,
+    "metrics_port": _port,
+    "metrics_address": _address,
+    "uid": _uid,
+    "gid": _gid,
+    "umask": _umask,
+    "subdir": _subdir,
 }
 
 # Options that only mean something for an S3 store.
@@ -408,14 +512,14 @@ def setup_logging(opts: Options, daemon: bool) -> None:
         root.removeHandler(h)
     if opts.log_file:
         handler: logging.Handler = logging.FileHandler(opts.log_file)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(formatter("verneuil", module=True))
     elif daemon:
         # run_background chose a log file when there is no syslog socket.
         handler = logging.handlers.SysLogHandler(SYSLOG_SOCKET)
-        handler.setFormatter(logging.Formatter("verneuil[%(process)d]: %(levelname)s %(message)s"))
+        handler.setFormatter(logging.Formatter("verneuil[%(process)d]: %(levelname)s %(module)s: %(message)s"))
     else:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(formatter("verneuil", sys.stderr, module=True))
     root.addHandler(handler)
     root.setLevel(opts.log_level.upper())
     # botocore's debug output holds request headers (the access key id, a
@@ -428,9 +532,9 @@ def setup_logging(opts: Options, daemon: bool) -> None:
 
 def default_log_file(mountpoint: str) -> str:
     """Where a daemonized mount logs when there is no syslog: one file per
-    mount point, named after it as systemd names mount units (``/`` as
-    ``-``)."""
-    name = os.path.abspath(mountpoint).strip("/").replace("-", "\\x2d").replace("/", "-") or "-"
+    mount point, named after it with ``/`` as ``-`` (``/mnt/my-replicas``
+    logs to ``mnt-my-replicas.log``, ``/`` to ``root.log``)."""
+    name = os.path.abspath(mountpoint).strip("/").replace("/", "-") or "root"
     if os.environ.get(LOG_DIR_ENV):
         top = os.environ[LOG_DIR_ENV]
     elif os.getuid() == 0:
@@ -631,8 +735,11 @@ class _Layers:
     fetcher: Fetcher
     catalog: Catalog
     ops: VerneuilFS
+    watch: Watch  # the follow loop
     ready: bool = False    # the mount is up and tuned: the stats' "ready"
     mounted: bool = False  # pyfuse3.init succeeded and pyfuse3.close is still to come
+    metrics: MetricsServer | None = None  # metrics_port's endpoint
+    started: float = field(default_factory=time.time)
 
 
 async def serve(opts: Options, store, ready) -> None:
@@ -675,6 +782,8 @@ def _build_layers(opts: Options, store) -> _Layers:
     from verneuil_fuse.fs import VerneuilFS
     from verneuil_fuse.reader.catalog import Catalog
     from verneuil_fuse.reader.fetcher import Fetcher
+    from verneuil_fuse.reader.follow import Followers
+    from verneuil_fuse.reader.watch import DEFAULT_INTERVAL as DEFAULT_FOLLOW_INTERVAL, Watch
 
     cache = _open_disk_cache(opts)
     fetcher = Fetcher(
@@ -690,8 +799,12 @@ def _build_layers(opts: Options, store) -> _Layers:
     )
     catalog = Catalog(fetcher, refresh_interval=opts.refresh, prefetch=_prefetch_config(opts),
                       hydrate=opts.hydrate, manifest_cache=_open_manifest_cache(cache, store),
-                      extra_stats=lambda: _mount_stats(opts, layers))
-    layers = _Layers(store, cache, fetcher, catalog, VerneuilFS(catalog, entry_timeout=opts.entry_timeout))
+                      extra_stats=lambda: _mount_stats(opts, layers), subdir=opts.subdir)
+    followers = Followers(catalog) if opts.follow else None
+    ops = VerneuilFS(catalog, entry_timeout=opts.entry_timeout, uid=opts.uid, gid=opts.gid, umask=opts.umask,
+                     followers=followers)
+    interval = DEFAULT_FOLLOW_INTERVAL if opts.follow_interval is None else opts.follow_interval
+    layers = _Layers(store, cache, fetcher, catalog, ops, Watch(catalog, interval))
     return layers
 
 
@@ -711,14 +824,17 @@ def _open_manifest_cache(cache: ChunkCache | None, store):
 
 
 def _mount_stats(opts: Options, layers: _Layers) -> dict:
-    """The mount's own section, "mount", of the catalog's stats
-    (/.verneuil/stats): the catalog asks on every read of them, so the
-    values are current ones."""
+    """The mount's own sections, "mount" and "follow", of the catalog's
+    stats (/.verneuil/stats): the catalog asks on every read of them, so
+    the values are current ones."""
     return {
         "mount": {"source": layers.store.url, "mountpoint": opts.mountpoint, "pid": os.getpid(),
+                  "started": layers.started,
                   "read_errors": layers.ops.read_errors, "handler_errors": layers.ops.handler_errors,
                   "ready": layers.ready,
-                  "cache_dir": layers.cache.directory if layers.cache is not None else None}
+                  "cache_dir": layers.cache.directory if layers.cache is not None else None,
+                  "metrics_url": layers.metrics.url if layers.metrics is not None else None},
+        "follow": layers.watch.stats(layers.ops.followers),
     }
 
 
@@ -733,15 +849,39 @@ async def _serve_layers(opts: Options, layers: _Layers, ready) -> None:
         async with trio.open_nursery() as nursery:
             layers.fetcher.bind(nursery, writes)
             layers.catalog.bind(nursery)
+            _serve_metrics(opts, layers)
             await _list_store(opts, layers.catalog)
             _start_fuse(opts, layers)
             nursery.start_soon(_settle, opts, layers, ready)
             nursery.start_soon(_unmount_on_signal)
             nursery.start_soon(layers.catalog.run)
+            nursery.start_soon(layers.watch.run)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
         _unmount(opts, layers)
         writes.cancel_scope.deadline = trio.current_time() + CACHE_DRAIN_S
+
+
+def _serve_metrics(opts: Options, layers: _Layers) -> None:
+    """With metrics_port: serve the metrics over HTTP from a thread of its
+    own, each scrape rendered in trio's thread (the catalog's own); a port
+    that cannot be had is a usage error, before anything is mounted."""
+    import trio
+
+    from verneuil_fuse.metrics import MetricsServer
+
+    if opts.metrics_port is None:
+        return
+    token = trio.lowlevel.current_trio_token()
+
+    def render() -> bytes:
+        return trio.from_thread.run_sync(layers.catalog.render_metrics, trio_token=token)
+
+    try:
+        layers.metrics = MetricsServer(render, opts.metrics_port, opts.metrics_address)
+    except OSError as e:
+        raise UserError("cannot serve metrics on %s:%d: %s" % (opts.metrics_address, opts.metrics_port,
+                                                             e.strerror or e), EXIT_USAGE) from None
 
 
 async def _list_store(opts: Options, catalog: Catalog) -> None:
@@ -807,6 +947,8 @@ def _tear_down(opts: Options, layers: _Layers) -> None:
     """However serving ended: unmount if still mounted, close the disk cache
     and the store."""
     _unmount(opts, layers)
+    if layers.metrics is not None:
+        layers.metrics.close()
     if layers.cache is not None:
         layers.cache.close()
     if layers.catalog.manifest_cache is not None:

@@ -38,29 +38,32 @@ _SPOOL_CAP = 4096
 _WHY_CAP = 1024
 
 
-def _config_from_env() -> Tuple[Optional[str], bool, Optional[bool]]:
+def _config_from_env() -> Tuple[Optional[str], bool, Optional[bool], int]:
     """VERNEUIL_CONFIG as the loadable extension reads it (csrc/config.c, the
     writer's one reader of it: JSON, or "@/path/to/file.json"):
     (replication_spooling_dir or None, make_default, warn_stderr or None when
-    absent).  An unusable config is logged and replicates nothing."""
+    absent, max_db_size or 0 when absent).  An unusable config is logged and
+    replicates nothing."""
     spool_len = ffi.new("size_t *")
     make_default = ffi.new("int *")
     warn_stderr = ffi.new("int *")
+    max_db_size = ffi.new("unsigned long long *")
     why = ffi.new("char[]", _WHY_CAP)
     cap = _SPOOL_CAP
     while True:
         spool = ffi.new("char[]", cap)
         rc = lib.verneuil_vfs_config_from_env(spool, cap, spool_len, make_default, warn_stderr,
-                                              why, _WHY_CAP)
+                                              max_db_size, why, _WHY_CAP)
         if spool_len[0] < cap:
             break
         cap = spool_len[0] + 1
     if rc != 0:  # the sentence the loadable extension logs too
         log.error("%s", ffi.string(why).decode("utf-8", "replace"))
     if rc < 0:  # an unreadable @file, bad JSON, not an object: no key applies
-        return None, False, None
+        return None, False, None, 0
     spool_dir = os.fsdecode(ffi.string(spool)) if spool_len[0] else None
-    return spool_dir, bool(make_default[0]), None if warn_stderr[0] < 0 else bool(warn_stderr[0])
+    return (spool_dir, bool(make_default[0]), None if warn_stderr[0] < 0 else bool(warn_stderr[0]),
+            int(max_db_size[0]))
 
 
 def register(spool_dir: Optional[str] = None, make_default: bool = False) -> Optional[str]:
@@ -77,10 +80,13 @@ def register(spool_dir: Optional[str] = None, make_default: bool = False) -> Opt
     commits go on (counted as failed snapshots until it can be).
     """
     if spool_dir is None:
-        spool_dir, config_default, warn_stderr = _config_from_env()
+        spool_dir, config_default, warn_stderr, max_db_size = _config_from_env()
         make_default = make_default or config_default
         if warn_stderr is False:
             set_warn_stderr(False)
+        if max_db_size and not set_max_db_size(max_db_size):
+            log.warning("VERNEUIL_CONFIG: max_db_size %d is out of range (1 to %d bytes): ignored",
+                        max_db_size, MAX_DB_SIZE)
     if spool_dir is not None:
         spool_dir = os.path.abspath(os.fspath(spool_dir))
         try:
@@ -122,6 +128,19 @@ def set_bundle_chunks(n: int) -> int:
     if old < 0:
         raise ValueError("bundle chunks must be between 0 and 16, not %r" % (n,))
     return old
+
+
+# The largest database the writer replicates, and the most `set_max_db_size`
+# allows (csrc/tracker.h, VN_MAX_DB_SIZE: about 1.5 TiB).
+MAX_DB_SIZE = int(lib.verneuil_vfs_max_db_size_limit())
+
+
+def set_max_db_size(n: int) -> int:
+    """A database past ``n`` bytes is not replicated (said once, counted as
+    ``too_large``; VERNEUIL_CONFIG's ``max_db_size`` sets it too). Returns
+    the previous bound, or 0 (nothing changed) for a bound out of range
+    (0, or past `MAX_DB_SIZE`)."""
+    return int(lib.verneuil_vfs_set_max_db_size(int(n)))
 
 
 def set_log_stderr(on: bool) -> None:

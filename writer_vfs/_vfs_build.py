@@ -23,7 +23,9 @@ ffibuilder.cdef(
     int verneuil_vfs_register(const char *spool_dir, int make_default);
     int verneuil_vfs_register_from_env(void);
     int verneuil_vfs_config_from_env(char *spool, size_t spool_cap, size_t *spool_len,
-        int *make_default, int *warn_stderr, char *why, size_t why_cap);
+        int *make_default, int *warn_stderr, unsigned long long *max_db_size, char *why, size_t why_cap);
+    unsigned long long verneuil_vfs_set_max_db_size(unsigned long long n);
+    unsigned long long verneuil_vfs_max_db_size_limit(void);
     void verneuil_vfs_set_gc_weight(double weight);
     int verneuil_vfs_set_bundle_chunks(int n);
     void verneuil_vfs_set_log_stderr(int on);

@@ -4,13 +4,17 @@
 kind "py" through the Python reference writer (`SpoolWriter`, always
 available), kind "vfs" through the real C VFS (`writer_vfs`, when built).
 The database holds a counter table: `bump()` commits counter+1, so any
-restored snapshot tells which commit it is.
+restored snapshot tells which commit it is. `CopierDaemon` runs
+`verneuilctl copier` and reads its log.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sqlite3
+import subprocess
+import sys
 import time
 
 import pytest
@@ -132,3 +136,36 @@ def wait_for(predicate, timeout: float, interval: float = 0.05):
         if time.monotonic() >= deadline:
             return value
         time.sleep(interval)
+
+
+class CopierDaemon:
+    """`verneuilctl copier` in a child process, its log read as it comes:
+    `until(text)` reads lines until one holds `text` (bounded); `stop()`
+    sends SIGTERM, checks the clean exit and returns all it logged; as a
+    context manager it always ends the process."""
+
+    def __init__(self, spool: str, store_url: str, *extra: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "verneuil_fuse.cli", "copier", "--store", store_url,
+                                      "--spool", spool, "--poll-interval", "0.05", *extra],
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+
+    def until(self, text: str, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines) and time.monotonic() < deadline:
+            self.lines.append(self.proc.stderr.readline())
+        return "".join(self.lines)
+
+    def stop(self) -> str:
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(15) == 0
+        return "".join(self.lines) + self.proc.stderr.read()
+
+    def __enter__(self) -> "CopierDaemon":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.proc.stderr.close()

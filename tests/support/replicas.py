@@ -42,18 +42,50 @@ def publish(
     compress: bool = True,
     ctime: float | None = None,
     bundle: tuple[int, ...] = (),
+    packed: int = 0,
 ) -> Published:
     """Upload a snapshot of ``data`` as the replica of ``hostname:path``;
     the chunks of ``bundle`` are bundled in the manifest besides chunk 0 (as
-    the C writer does with b-tree tops), and uploaded too."""
+    the C writer does with b-tree tops), and uploaded too.  ``packed``: in
+    the packed layout, in packs of about that many bytes, in file order (as
+    a copier of a packed store writes them); 0: a chunk object each."""
     now = time.time() if ctime is None else ctime
     manifest, chunks = snapshot_of(data, ctime=int(now), ctime_ns=int((now % 1) * 1e9), bundle=bundle)
-    for fp, raw in chunks.items():
-        store.chunks.put(fp.name, compress_chunk(raw) if compress else raw)
-    blob = encode_manifest(manifest)
     key = manifest_name(path, hostname)
+    if packed:
+        manifest.layout = publish_packs(store, key, manifest, chunks, packed, compress)
+    else:
+        for fp, raw in chunks.items():
+            store.chunks.put(fp.name, compress_chunk(raw) if compress else raw)
+    blob = encode_manifest(manifest)
     store.manifests.put(key, compress_manifest(blob) if compress else blob)
     return Published(key, manifest, chunks, bytes(data))
+
+
+def publish_packs(store, key: str, manifest: Manifest, chunks: dict[Fprint, bytes], target: int,
+                  compress: bool = True):
+    """Upload ``chunks`` (those of ``manifest``) into packs of about
+    ``target`` bytes, in file order; their `PackedLayout`."""
+    from verneuil_fuse.copier.packing import PackBuilder, space_of
+    from verneuil_fuse.format import PackedLayout, pack_key
+
+    space = space_of(key)
+    places: dict = {}
+    builder = PackBuilder(target)
+
+    def flush():
+        pack, data, where = builder.take()
+        store.chunks.put(pack_key(space, pack), data)
+        places.update(where)
+
+    for fp in dict.fromkeys(manifest.chunks):
+        if fp in chunks:
+            builder.add(fp, compress_chunk(chunks[fp]) if compress else chunks[fp])
+            if builder.full:
+                flush()
+    if builder.parts:
+        flush()
+    return PackedLayout.build(space, [places.get(fp) for fp in manifest.chunks])
 
 
 def replicate(store, db_path: str, spool: str, *, timeout: float = 3600) -> str:

@@ -437,6 +437,7 @@ class S3Server:
         *,
         single_bucket: bool = False,
         page_size: int | None = None,
+        layout: str = "chunks",
         **client_options: Any,
     ):
         """Fresh buckets and a `Store` on them.
@@ -445,16 +446,19 @@ class S3Server:
         `versioned`), Verneuil's layout.  `single_bucket`: one bucket with
         `chunks/` and `manifests/` prefixes.  `page_size` shrinks listing pages
         (to test pagination); `client_options` go to `s3.make_client` (e.g.
-        `max_attempts=1`).  `store.url` reopens the same store elsewhere.
+        `max_attempts=1`).  `layout="packed"`: copiers write packs
+        (docs/FORMAT.md, "Packed layout").  `store.url` reopens the same
+        store elsewhere.
         """
         from verneuil_fuse.store import open_store
 
+        params = {} if layout == "chunks" else {"layout": layout}
         if single_bucket:
-            url = self.url(self.new_bucket("store", versioned=versioned))
+            url = self.url(self.new_bucket("store", versioned=versioned), **params)
         else:
             chunks = self.new_bucket("chunks")
             manifests = self.new_bucket("manifests", versioned=versioned)
-            url = self.url(chunks, manifests)
+            url = self.url(chunks, manifests, **params)
         store = open_store(url, **client_options)
         if page_size is not None:
             store.chunks.page_size = page_size

@@ -14,6 +14,7 @@ Subcommands (each has --help):
   manifest       decode one manifest
   lag            how far each database in a spool is behind
   repair         upload again, from the source files, chunks a store has lost
+  convert        rewrite databases in the other store layout (packed / chunks)
   query          one SQL query over many databases (a mount, a glob) with Spark
 
 Common flags mean the same everywhere: --store (URL, path, @config.json or
@@ -25,7 +26,7 @@ The package, one module per area: parser (the command line), common (what
 the commands share: store, spool, manifest, output), tools (fingerprint,
 manifest-name, sqlite-extension), copier_cmds (copier, flush, sync, lag),
 store_cmds (ls, manifest, restore), history_cmds (versions, restore --at),
-repair_cmds (repair), query (query, with Spark); this module runs one
+repair_cmds (repair), convert_cmds (convert), query (query, with Spark); this module runs one
 command: main() parses, sets up logging and turns every error into one line
 on stderr and an exit code (verneuil_fuse/errors.py).
 """
@@ -47,8 +48,10 @@ __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REPAIRABLE", "EXIT
 def _setup_logging(verbose: int, quiet: bool) -> None:
     level = logging.ERROR if quiet else (
         logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
-    logging.basicConfig(level=level, format="verneuilctl: %(levelname)s: %(message)s",
-                        stream=sys.stderr)
+    from ..logs import formatter
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter("verneuilctl", sys.stderr))
+    logging.basicConfig(level=level, handlers=[handler])
     # botocore's debug output holds request headers (the access key id, a
     # session token): never below INFO, however verbose.
     for name in ("botocore", "boto3", "urllib3", "s3transfer"):

@@ -152,3 +152,43 @@ class Progress:
 
 def print_error(message: str) -> None:
     sys.stderr.write("verneuilctl: error: %s\n" % " ".join(str(message).split("\n")))
+
+
+# Seconds between `PhaseProgress` lines when stderr is not a terminal (shown
+# with -v): a line a few seconds apart tells a large database is moving along.
+PHASE_PROGRESS_INTERVAL = 5.0
+
+
+class PhaseProgress:
+    """progress(phase, done, total) of one database (`repair`, `convert`): a
+    refreshed line on a terminal, else an INFO line every
+    PHASE_PROGRESS_INTERVAL seconds."""
+
+    def __init__(self, label: str, enabled: bool):
+        self.label = label
+        self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self._last = time.monotonic()
+        self._shown = False
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if self.tty:
+            if now - self._last < 0.1 and done < total:
+                return
+            sys.stderr.write("\r%s: %s chunks %d/%d\033[K" % (self.label, phase, done, total))
+            sys.stderr.flush()
+            self._shown = True
+        elif now - self._last >= PHASE_PROGRESS_INTERVAL:
+            log.info("%s: %s chunks %d/%d", self.label, phase, done, total)
+        else:
+            return
+        self._last = now
+
+    def finish(self) -> None:
+        if self._shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            self._shown = False

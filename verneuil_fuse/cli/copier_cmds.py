@@ -36,6 +36,7 @@ def _copier_kwargs(args, cfg: dict, one_off: bool = False) -> dict:
     unless the command line says otherwise."""
     from .. import config
     kw = config.copier_options(cfg)
+    kw["max_db_size"] = config.max_db_size(cfg)
     if one_off:
         kw["rate"], kw["workers"] = FLUSH_RATE, FLUSH_WORKERS
     for name in ("rate", "burst", "workers", "db_workers", "poll_interval", "lock_timeout"):
@@ -60,17 +61,30 @@ def cmd_copier(args) -> int:
     # The handlers go in first: making the copier imports boto3 (a few
     # hundred ms), and a SIGTERM in that time must still end it cleanly.
     stop_event = threading.Event()  # Copier.run() ends once it is set
-    copier = None
+    running: list = []  # the copier, once made
 
     def on_signal(signum, _frame):
-        log.info("got signal %d, stopping", signum)
+        log.info("got signal %d (%s), stopping", signum, signal.Signals(signum).name)
         stop_event.set()
-        if copier is not None:
+        for copier in running:
             copier.wake()  # out of its idle wait at once
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if args.pidfile:
+        write_pidfile(args.pidfile)
+    try:
+        _run_copier(args, stop_event, running.append)
+    finally:
+        if args.pidfile:
+            remove_pidfile(args.pidfile)
+    return EXIT_OK
+
+
+def _run_copier(args, stop_event: threading.Event, started) -> None:
+    """The daemon's body: the copier, its metrics endpoint, until stopped."""
     copier = _make_copier(args, create_spool=True, stop_event=stop_event)
+    started(copier)
     exporter = None
     try:
         if args.metrics_port is not None:
@@ -86,7 +100,46 @@ def cmd_copier(args) -> int:
             exporter.close()
         copier.close()
         copier.store.close()
-    return EXIT_OK
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def write_pidfile(path: str) -> None:
+    """Write this process's PID into `path` (atomically); refused while the
+    PID already there is a live process other than this one."""
+    try:
+        with open(path) as f:
+            other = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        other = None
+    if other is not None and other != os.getpid() and _pid_alive(other):
+        raise UserError("pidfile %s names process %d, which is running (another copier?); "
+                        "stop it, or remove the file if that process is not a copier" % (path, other))
+    tmp = "%s.%d.tmp" % (path, os.getpid())
+    try:
+        with open(tmp, "w") as f:
+            f.write("%d\n" % os.getpid())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError("cannot write pidfile %s: %s" % (path, e.strerror or e)) from None
+
+
+def remove_pidfile(path: str) -> None:
+    """Remove `path` if it still names this process."""
+    try:
+        with open(path) as f:
+            if f.read().split()[:1] == [str(os.getpid())]:
+                os.unlink(path)
+    except OSError:
+        pass
 
 
 def _uploaded(copier) -> tuple:
@@ -248,9 +301,48 @@ def cmd_sync(args) -> int:
     return EXIT_OK
 
 
+# `lag` exits with this when a database is not replicated, or is behind
+# by more than --max-lag: a monitoring check's "not OK".
+EXIT_LAGGING = 3
+# `lag`'s default --max-lag: a database behind by up to a minute is a busy
+# one, not a stuck one (the daemon's pacing lets a large commit take that).
+DEFAULT_MAX_LAG = 60.0
+
+
+def lag_state(db: dict, max_lag: float) -> tuple[str, bool]:
+    """What `lag` says about one database of `spool_status`, and whether it
+    is fine: replicated, and at most `max_lag` seconds behind."""
+    lag = db["lag"]
+    if not db.get("snapshotted", True):
+        state, ok = "never snapshotted: nothing of it is in the store", False
+    elif db["in_sync"] is None:  # no store to compare with
+        state = ("nothing pending" if lag == 0 and not db["pending_bytes"] else
+                 "pending for %.1fs" % lag if lag is not None else "pending")
+        ok = lag is not None and lag <= max_lag
+    else:
+        state = ("in sync" if db["in_sync"] else
+                 "behind %.1fs" % lag if lag is not None else "not in the store")
+        ok = db["in_sync"] or (lag is not None and lag <= max_lag)
+    stopped = db.get("stopped")
+    if stopped is not None:
+        state = "STOPPED replicating: %s%s; the store's copy is behind%s" % (
+            stopped["reason"],
+            " (for %.1fs)" % (time.time() - stopped["since"]) if stopped.get("since") else "",
+            " by %.1fs at least" % lag if lag else "")
+        ok = False
+    elif db["source_changed"]:
+        state += " (the source changed since its last snapshot)"
+        ok = False
+    if db.get("wal"):
+        state += " [WAL mode]"
+    return state, ok
+
+
 def cmd_lag(args) -> int:
+    from .. import config
     from ..copier.status import spool_status
     spool = spool_from_args(args)
+    bound = config.max_db_size(config.load_optional(args.store))
     store = None
     if not args.no_store:
         try:
@@ -260,44 +352,44 @@ def cmd_lag(args) -> int:
                 raise
             # VERNEUIL_CONFIG may name a spool but no store: report the spool only.
     try:
-        report = spool_status(spool, store)
+        report = spool_status(spool, store, max_db_size=bound)
     finally:
         if store is not None:
             store.close()
+    states = [lag_state(db, args.max_lag) for db in report]
+    code = EXIT_OK if all(ok for _, ok in states) else EXIT_LAGGING
     if args.json:
         print_json(report)
-        return EXIT_OK
+        return code
     if not report:
         print("no databases in spool %s" % spool)
-        return EXIT_OK
-    for db in report:
-        lag = db["lag"]
-        if db["in_sync"] is None:  # no store to compare with
-            state = ("nothing pending" if lag == 0 and not db["pending_bytes"] else
-                     "pending for %.1fs" % lag if lag is not None else "pending")
-        else:
-            state = ("in sync" if db["in_sync"] else
-                     "behind %.1fs" % lag if lag is not None else "pending")
-        if db["source_changed"]:
-            state += " (the source changed since its last snapshot)"
-        if db.get("wal"):
-            state += " [WAL mode]"
+        return code
+    for db, (state, _ok) in zip(report, states):
         print("%s: %s" % (db["source"] or db["dbdir"], state))
-        for m in db["manifests"]:
-            extra = ""
-            if m.get("source_changed"):
-                extra = (", source changed since: writes the VFS could not snapshot (spool full or "
-                         "unwritable? see the writer's log) or a writer not using the VFS")
-            if "error" in m:
-                extra += ", INVALID: %s" % m["error"]
-            print("  staged manifest: %s old, %s%s%s" % (
-                "%.1fs" % m["age"], fmt_size(m.get("len")),
-                ", store: %s" % m["in_store"] if "in_store" in m else "", extra))
-        for which in ("ready", "consuming"):
-            for s in db[which]:
-                print("  %s %s: %.1fs old, %d chunks (%s)" % (
-                    which, s["uuid"], s["age"], s["chunks"], fmt_size(s["chunk_bytes"])))
-        print("  staged chunks: %d (%s); pending: %s" % (
-            db["staged_chunks"], fmt_size(db["staged_chunk_bytes"]),
-            fmt_size(db["pending_bytes"])))
-    return EXIT_OK
+        _print_lag_details(db)
+    letters = report[-1].get("dead_letters") or {}
+    if letters.get("entries") or letters.get("dropped"):
+        print("dead letters: %d (%s) kept, %d oldest dropped" % (
+            letters["entries"], fmt_size(letters["bytes"]), letters["dropped"]))
+    return code
+
+
+def _print_lag_details(db: dict) -> None:
+    """The lines of `lag` under a database: its staged manifests, its
+    snapshots waiting, its staged chunks."""
+    for m in db["manifests"]:
+        extra = ""
+        if m.get("source_changed"):
+            extra = (", source changed since: writes the VFS could not snapshot (spool full or "
+                     "unwritable? see the writer's log) or a writer not using the VFS")
+        if "error" in m:
+            extra += ", INVALID: %s" % m["error"]
+        print("  staged manifest: %s old, %s%s%s" % (
+            "%.1fs" % m["age"], fmt_size(m.get("len")),
+            ", store: %s" % m["in_store"] if "in_store" in m else "", extra))
+    for which in ("ready", "consuming"):
+        for s in db[which]:
+            print("  %s %s: %.1fs old, %d chunks (%s)" % (
+                which, s["uuid"], s["age"], s["chunks"], fmt_size(s["chunk_bytes"])))
+    print("  staged chunks: %d (%s); pending: %s" % (
+        db["staged_chunks"], fmt_size(db["staged_chunk_bytes"]), fmt_size(db["pending_bytes"])))

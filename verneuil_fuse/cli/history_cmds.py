@@ -9,6 +9,10 @@ import sys
 from ..errors import EXIT_OK, EXIT_USAGE, UserError
 from .common import fmt_size, log, manifest_key, print_json, print_table, store_from_args
 
+# `versions` exits with this when the latest version misses chunks or
+# cannot be read: the database as it is now cannot be restored or read.
+EXIT_INCOMPLETE = 3
+
 
 def parse_at(text: str) -> int:
     """--at TIME in nanoseconds since the epoch (history.parse_time)."""
@@ -58,9 +62,10 @@ def cmd_versions(args) -> int:
     finally:
         store.close()
     rows = [v.describe() for v in versions]
+    code = _exit_code(rows)
     if args.json:
         print_json(rows)
-        return EXIT_OK
+        return code
     table = [("TIME", "SIZE", "CHUNKS", "VERSION ID", "")]
     for r in rows:
         if "error" in r:
@@ -74,7 +79,30 @@ def cmd_versions(args) -> int:
                       fmt_size(r["size"]), chunks, r["version_id"],
                       "latest" if r["is_latest"] else ""))
     print_table(table)
+    _warn(rows, name)
+    return code
+
+
+def _exit_code(rows: list[dict]) -> int:
+    """EXIT_INCOMPLETE when the latest version cannot be read or misses
+    chunks, else EXIT_OK (older incomplete versions are warned about)."""
+    latest = [r for r in rows if r["is_latest"]] or rows[-1:]
+    return EXIT_INCOMPLETE if any("error" in r or r["complete"] is False for r in latest) else EXIT_OK
+
+
+def _warn(rows: list[dict], name: str) -> None:
+    """stderr: versions that cannot be read, and what missing chunks mean."""
     for r in rows:
         if "error" in r:
             print("warning: version %s: %s" % (r["version_id"], r["error"]), file=sys.stderr)
-    return EXIT_OK
+    incomplete = [r for r in rows if r.get("complete") is False and "error" not in r]
+    if any(r["is_latest"] for r in incomplete):
+        r = next(r for r in incomplete if r["is_latest"])
+        print("warning: the latest version misses %d chunk%s: restoring or reading the database as it is "
+              "now fails; verneuilctl repair puts back what its source file still holds (manifest %s)"
+              % (r["missing_chunks"], "" if r["missing_chunks"] == 1 else "s", name), file=sys.stderr)
+    older = [r for r in incomplete if not r["is_latest"]]
+    if older:
+        print("warning: %d older version%s miss%s chunks and cannot be restored (the store expired or lost "
+              "them)" % (len(older), "" if len(older) == 1 else "s", "es" if len(older) == 1 else ""),
+              file=sys.stderr)

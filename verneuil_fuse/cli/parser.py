@@ -9,8 +9,10 @@ import re
 from typing import NamedTuple
 
 from .. import __version__
-from .copier_cmds import FLUSH_STALL_SECONDS, FLUSH_WORKERS, cmd_copier, cmd_flush, cmd_lag, cmd_sync
-from .history_cmds import cmd_versions
+from .convert_cmds import cmd_convert
+from .copier_cmds import (DEFAULT_MAX_LAG, EXIT_LAGGING, FLUSH_STALL_SECONDS, FLUSH_WORKERS, cmd_copier,
+                          cmd_flush, cmd_lag, cmd_sync)
+from .history_cmds import EXIT_INCOMPLETE, cmd_versions
 from .query import cmd_query
 from .repair_cmds import cmd_repair
 from .store_cmds import cmd_ls, cmd_manifest, cmd_restore
@@ -72,6 +74,15 @@ def _byte_size(text: str) -> int:
     if size <= 0:
         raise argparse.ArgumentTypeError("%r: the size must be more than 0" % text)
     return size
+
+
+def _add_one_database(p: argparse.ArgumentParser) -> None:
+    """The options that name one database in the store (`versions`,
+    `convert`): by host and path, or by manifest name."""
+    p.add_argument("--hostname", help="host the database lives on (default: this one)")
+    p.add_argument("-s", "--source-path", metavar="PATH",
+                   help="path of the database on its host (made canonical without --hostname)")
+    p.add_argument("-m", "--manifest", metavar="NAME", help="manifest blob name")
 
 
 def _add_max_db_size(p: argparse.ArgumentParser) -> None:
@@ -194,6 +205,9 @@ def _add_copier(sub, parents: _Parents) -> None:
                    help="serve Prometheus metrics at http://ADDRESS:PORT/metrics (0: any free port, logged)")
     p.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDRESS",
                    help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 for every interface)")
+    p.add_argument("--pidfile", metavar="PATH",
+                   help="write the copier's PID here while it runs (refused while the PID there is "
+                        "alive; under systemd, not needed)")
     p.set_defaults(func=cmd_copier)
 
 
@@ -243,11 +257,10 @@ def _add_versions(sub, parents: _Parents) -> None:
                                    "(a versioned bucket, or a directory store's kept versions), "
                                    "oldest first: its time (the manifest's ctime, else the "
                                    "store's, marked '(store)'), size, version id, and whether "
-                                   "the store still holds every chunk it needs.")
-    p.add_argument("--hostname", help="host the database lives on (default: this one)")
-    p.add_argument("-s", "--source-path", metavar="PATH",
-                   help="path of the database on its host (made canonical without --hostname)")
-    p.add_argument("-m", "--manifest", metavar="NAME", help="manifest blob name")
+                                   "the store still holds every chunk it needs. Exit %d when "
+                                   "the latest version misses chunks or cannot be read (the "
+                                   "database cannot be restored as it is now)." % EXIT_INCOMPLETE)
+    _add_one_database(p)
     p.add_argument("--json", action="store_true", help="JSON output (a list, oldest first)")
     p.add_argument("--no-check", action="store_true",
                    help="do not check that the chunks are present (one request per distinct "
@@ -285,9 +298,16 @@ def _add_lag(sub, parents: _Parents) -> None:
                        help="how far each database in a spool is behind",
                        description="For each database in the spool: pending snapshots, staged "
                                    "chunks and bytes, staged manifest age, and (with a store) "
-                                   "whether the store holds the latest snapshot.")
+                                   "whether the store holds the latest snapshot. Exit 0 when "
+                                   "every database is replicated and at most --max-lag behind, "
+                                   "%d when one is not replicated (stopped, never snapshotted, "
+                                   "changed since its last snapshot) or further behind."
+                                   % EXIT_LAGGING)
     p.add_argument("--json", action="store_true", help="JSON output")
     p.add_argument("--no-store", action="store_true", help="do not compare with the store")
+    p.add_argument("--max-lag", type=_positive_float, default=DEFAULT_MAX_LAG, metavar="SECONDS",
+                   help="a database behind by more than this is an exit %d (default %g)"
+                        % (EXIT_LAGGING, DEFAULT_MAX_LAG))
     p.set_defaults(func=cmd_lag)
 
 
@@ -318,13 +338,36 @@ def _add_repair(sub, parents: _Parents) -> None:
     p.set_defaults(func=cmd_repair)
 
 
+def _add_convert(sub, parents: _Parents) -> None:
+    p = sub.add_parser("convert", parents=[parents.common, parents.store],
+                       help="rewrite databases in the other store layout (packed, or Verneuil's chunks)",
+                       description="Rewrite the current version of one database (-s PATH or -m NAME), "
+                                   "or of every database of the store (--all), in the layout --to "
+                                   "names: 'packed' (many chunks per object, read by range) or "
+                                   "'chunks' (Verneuil's: one object per chunk, which Verneuil's "
+                                   "readers need). Every chunk is verified on the way; the new "
+                                   "manifest is uploaded last, as a new version. Resumable: run it "
+                                   "again after an interruption. Stop the copiers of those databases "
+                                   "first (or give them the new layout=), or their next upload "
+                                   "is in their own layout again.")
+    p.add_argument("--to", required=True, choices=("packed", "chunks"), help="the layout to convert to")
+    _add_one_database(p)
+    p.add_argument("--all", action="store_true", help="every database of the store")
+    p.add_argument("--workers", type=_nonneg_int,
+                   help="store requests in flight at once (default 8)")
+    p.set_defaults(func=cmd_convert)
+
+
 def _add_query(sub, parents: _Parents) -> None:
     p = sub.add_parser("query", parents=[parents.common],
                        help="one SQL query over many databases, with Spark",
                        description="Run SQL on every SQLite database under MOUNT_OR_GLOB (a "
                                    "directory such as a verneuil mount, a glob, or files) with "
-                                   "Spark; each row carries its database in _source. Shows the "
-                                   "first rows; --output writes them all. Queries cannot write.")
+                                   "Spark; each row carries its database in _source. With "
+                                   "--union, the SQL runs once over the union of the tables it "
+                                   "names (e.g. SELECT count(*) FROM t counts every database's "
+                                   "rows). Shows the first rows; --output writes them all. "
+                                   "Queries cannot write.")
     p.add_argument("items", nargs="+", metavar="MOUNT_OR_GLOB... SQL",
                    help="directories, globs or database files (a glob the shell expanded is "
                         "fine), then the SQL (unless --sql gives it)")
@@ -337,7 +380,12 @@ def _add_query(sub, parents: _Parents) -> None:
     p.add_argument("-f", "--force", action="store_true",
                    help="replace OUT if it exists (otherwise refused before the query runs)")
     p.add_argument("--on-error", choices=("fail", "skip", "report"), default="fail",
-                   help="a database that fails: fail the job, skip it, or report it in _error")
+                   help="a database that fails: fail the job, skip it (the count and the reasons "
+                        "are printed), or report it in _error")
+    p.add_argument("--union", action="store_true",
+                   help="run the SQL once, in Spark SQL, over the union of each table it names across "
+                        "the databases (each row with its database in _source), so that it can "
+                        "aggregate across them; without it SQLite runs the SQL on each database")
     p.set_defaults(func=cmd_query)
 
 
@@ -346,7 +394,7 @@ def _add_query(sub, parents: _Parents) -> None:
 _SUBCOMMANDS = (
     _add_fingerprint, _add_manifest_name, _add_sqlite_extension, _add_copier, _add_flush,
     _add_sync, _add_restore, _add_versions, _add_ls, _add_manifest, _add_lag, _add_repair,
-    _add_query,
+    _add_convert, _add_query,
 )
 
 

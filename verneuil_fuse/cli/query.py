@@ -28,7 +28,7 @@ def cmd_query(args) -> int:
                         "(or --sql 'SQL')", EXIT_USAGE)
     try:
         spark.run_query(where, sql, master=args.master, output=args.output,
-                        show=args.show, on_error=args.on_error, force=args.force)
+                        show=args.show, on_error=args.on_error, force=args.force, union=args.union)
     except spark.VerneuilSourceError as e:
         raise UserError(str(e), EXIT_USAGE) from None
     except Exception as e:  # Spark wraps worker errors in long Java traces

@@ -6,11 +6,9 @@ unrepairable apart."""
 from __future__ import annotations
 
 import os
-import sys
-import time
 
 from ..errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, UserError
-from .common import log, print_error, print_json, spool_from_args, store_from_args
+from .common import PhaseProgress, log, print_error, print_json, spool_from_args, store_from_args
 
 
 # `repair` exit codes besides EXIT_OK, EXIT_ERROR and EXIT_USAGE (docs/COPIER.md).
@@ -19,45 +17,6 @@ EXIT_REPAIRABLE = 4    # --dry-run only: chunks are missing, and a real run woul
 # Unrepairable chunk names listed per database in the text report: enough to
 # look a few up by hand without flooding a terminal (--json lists them all).
 REPAIR_LISTED = 10
-# Seconds between progress lines when stderr is not a terminal (shown with
-# -v): a line a few seconds apart tells a large database is moving along.
-REPAIR_PROGRESS_INTERVAL = 5.0
-
-
-class _RepairProgress:
-    """progress(phase, done, total) of one database: a refreshed line on a
-    terminal, else an INFO line every REPAIR_PROGRESS_INTERVAL seconds."""
-
-    def __init__(self, label: str, enabled: bool):
-        self.label = label
-        self.enabled = enabled
-        self.tty = enabled and sys.stderr.isatty()
-        self._last = time.monotonic()
-        self._shown = False
-
-    def __call__(self, phase: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if self.tty:
-            if now - self._last < 0.1 and done < total:
-                return
-            sys.stderr.write("\r%s: %s chunks %d/%d\033[K" % (self.label, phase, done, total))
-            sys.stderr.flush()
-            self._shown = True
-        elif now - self._last >= REPAIR_PROGRESS_INTERVAL:
-            log.info("%s: %s chunks %d/%d", self.label, phase, done, total)
-        else:
-            return
-        self._last = now
-
-    def finish(self) -> None:
-        if self._shown:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-            self._shown = False
-
-
 def _repair_targets(args) -> list[tuple[str, str]]:
     """(source path, manifest name) of each database to repair."""
     from .. import format as fmt
@@ -114,7 +73,7 @@ def cmd_repair(args) -> int:
     reports, failed = [], []
     try:
         for source, name in targets:
-            progress = _RepairProgress(source, not args.quiet)
+            progress = PhaseProgress(source, not args.quiet)
             try:
                 reports.append(repair_database(store, source, name, dry_run=args.dry_run,
                                                workers=workers, progress=progress))
@@ -137,8 +96,9 @@ def cmd_repair(args) -> int:
         for r in reports:
             done = ("%d repairable (dry run: nothing uploaded)" % len(r.repairable)
                     if r.dry_run else "%d repaired" % len(r.repaired))
-            print("%s: %d chunks checked, %d missing, %s, %d unrepairable%s" % (
-                r.source, r.checked, len(r.missing), done, len(r.unrepairable),
+            print("%s: %d %s checked, %d missing, %s, %d unrepairable%s" % (
+                r.source, r.checked, "objects (packs and chunks)" if r.packed else "chunks",
+                len(r.missing), done, len(r.unrepairable),
                 "" if r.dry_run or not r.complete else " (complete)"))
             for chunk in r.unrepairable[:REPAIR_LISTED]:
                 print("  unrepairable: %s" % chunk)

@@ -170,10 +170,13 @@ def _manifest_dict(name: str, m) -> dict:
         "distinct_chunks": len(distinct),
         "zero_chunks": sum(1 for fp in m.chunks if fp == fmt.ZERO_CHUNK_FPRINT),
         "chunks": [fp.name for fp in m.chunks],
+        "layout": "chunks" if m.layout is None else "packed",
+        "packs": [] if m.layout is None else m.layout.keys(),
     }
 
 
 def cmd_manifest(args) -> int:
+    from .. import format as fmt
     store = None
     store = store_from_args(args, required=not args.manifest_file, read_only=True)
     try:
@@ -201,7 +204,10 @@ def cmd_manifest(args) -> int:
     print("version_id:      %s" % (d["version_id"] or "-"))
     print("generated_by:    %s" % (d["generated_by"] or "-"))
     print("bundled chunks:  %s" % (", ".join(map(str, d["bundled_chunks"])) or "-"))
+    print("layout:          %s" % (d["layout"] if m.layout is None else "packed, %d packs" % len(d["packs"])))
     if args.chunks:
         for i, c in enumerate(d["chunks"]):
-            print("  %6d %s" % (i, c))
+            source = fmt.chunk_source(m, i)
+            where = "" if not source.ranged else "  %s [%d, %d)" % (source.key, source.start, source.end)
+            print("  %6d %s%s" % (i, c, where))
     return EXIT_OK

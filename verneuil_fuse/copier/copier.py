@@ -15,11 +15,23 @@ database directory it
    is neither `ready` nor `consuming`.  The check runs under the lock, so a
    manifest upload never overtakes a newer one from this host.
 
+A manifest of a database past `max_db_size` (`format.MAX_REPLICATED_DB_SIZE`
+by default, the writer's own bound; VERNEUIL_CONFIG lowers it for the
+writer, the copiers and `lag` alike) is refused: said once per database at
+ERROR, recorded in `copier.stopped` (removed once a manifest of it is
+uploaded again), the chunks of a refused `ready` snapshot deleted unsent,
+its manifest moved to the (bounded) dead letters.
+
 Uploads are zstd frames (docs/FORMAT.md); requests are paced by a token bucket
 and transient errors retried with jittered exponential backoff.  Chunks
 uploaded recently are remembered (bounded LRU) and not sent again.  Chunks of
 live manifests are touched about once a day.  Any number of copiers, in any
 number of processes, may work on one spool.
+
+On a store of the packed layout (``layout=packed``) the chunk files go into
+packs and each manifest is uploaded with the place of every chunk; the steps
+and their order stay the same (`packer.Packer`, docs/COPIER.md "The packed
+layout").
 """
 from __future__ import annotations
 
@@ -27,6 +39,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import json
 import logging
 import os
 import random
@@ -39,6 +52,7 @@ from typing import Callable, Iterator, Optional
 from .. import format as fmt
 from ..store import NotFound, StoreError, TransientError
 from . import spool as sp
+from .packer import Packer, Unplaced
 from .pacing import (DEFAULT_BURST, DEFAULT_RATE, Backoff, RecentSet, Stopped,
                      TokenBucket, retry)
 from .pool import DaemonPool, InFlight
@@ -61,6 +75,11 @@ class BadSnapshot(Exception):
     """A spooled snapshot we will not upload (moved aside or skipped)."""
 
 
+class PastBound(BadSnapshot):
+    """A snapshot of a database past `max_db_size`: the database stops
+    replicating until it is back under the bound."""
+
+
 class OtherStore(StoreError):
     """A database of the spool was shipped to another chunk store: its chunks
     went there and left the spool, so a manifest uploaded to this store would
@@ -76,6 +95,9 @@ class CopierStats:
     chunk_bytes_sent: int = 0      # compressed
     manifests_uploaded: int = 0
     manifests_skipped: int = 0     # staged manifest already in the store
+    packs_uploaded: int = 0        # packed layout: packs put (chunks_uploaded counts their chunks)
+    chunks_repacked: int = 0       # packed layout: chunks packed again by compaction
+    packs_deleted: int = 0         # packed layout: packs no kept version needs, deleted
     dead_letters: int = 0
     touches: int = 0
     touch_missing: int = 0
@@ -86,6 +108,12 @@ class CopierStats:
 
     def snapshot(self) -> dict:
         return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        """The counters in one short line, for the log."""
+        return ("%d passes, %d chunks uploaded (%d bytes sent), %d manifests uploaded, %d requests, %d errors"
+                % (self.passes, self.chunks_uploaded, self.chunk_bytes_sent, self.manifests_uploaded,
+                   self.requests, self.errors))
 
 
 @dataclasses.dataclass
@@ -121,8 +149,10 @@ class Copier:
                  recent_capacity: int = 1 << 16, backoff: Optional[Backoff] = None,
                  verify_chunks: bool = True, create_spool: bool = False,
                  stop_event: Optional[threading.Event] = None,
-                 cleanup_interval: float = 60.0):
+                 cleanup_interval: float = 60.0, max_db_size: int = fmt.MAX_REPLICATED_DB_SIZE):
         self.spool_dir = os.path.abspath(spool_dir)
+        self.max_db_size = max_db_size
+        self._stopped_said: set[str] = set()  # databases whose refusal was logged
         sp.check_spool(self.spool_dir, create=create_spool)
         self.store = store
         self.bucket = TokenBucket(rate, burst)
@@ -137,6 +167,7 @@ class Copier:
         self.wake_event = threading.Event()
         self.cleanup_interval = cleanup_interval
         self.workers = workers
+        self.db_workers = db_workers
         self._pool = DaemonPool(workers)
         # Databases are handled in parallel too (their chunk uploads share
         # `_pool`, whose tasks never wait on other tasks: no deadlock).
@@ -150,6 +181,8 @@ class Copier:
         self._touch_warned: set[str] = set()  # databases with a missing chunk this patrol
         self._next_cleanup = 0.0
         self._deadline: Optional[float] = None  # set by flush(timeout)
+        # The packed layout's path (None: Verneuil's, an object per chunk).
+        self.packer = Packer(self) if getattr(store, "layout", "chunks") == "packed" else None
 
     # -- plumbing -----------------------------------------------------------
 
@@ -300,11 +333,17 @@ class Copier:
             return False
         return len(data), fmt.compress_chunk(data)
 
-    def _upload_chunk_dir(self, db: sp.DbDir, dirpath: str) -> int:
-        """Upload every chunk file in `dirpath`; the number of bad files."""
+    def _upload_chunk_dir(self, db: sp.DbDir, dirpath: str, meta_dir: str) -> int:
+        """Upload every chunk file in `dirpath` (their manifest is in
+        `meta_dir`); the number of bad files."""
         names = sp.listdir_or_empty(dirpath)
         if not names:
             return 0
+        if self.packer is not None:
+            name, order = _dir_manifest(meta_dir, self.max_db_size)
+            if name is None:
+                return 0  # no manifest yet: packs are named after it
+            return self.packer.pack_chunk_dir(db, dirpath, name, order)
         names, bad = self._upload_chunks_async(db, dirpath, names)
         results = self._pool.map(lambda n: self._upload_chunk_file(db, dirpath, n), names)
         first_error = None
@@ -375,22 +414,60 @@ class Copier:
 
     def _validate(self, raw: bytes) -> fmt.Manifest:
         try:
-            return fmt.decode_and_validate(raw, fetch_chunk=self._fetch_chunk)
+            return fmt.decode_and_validate(raw, fetch_chunk=self._fetch_chunk, max_db_size=self.max_db_size)
         except fmt.ManifestError as e:
-            raise BadSnapshot(str(e)) from None
+            raise (PastBound if e.rule == "size-limit" else BadSnapshot)(str(e)) from None
+
+    def _past_bound(self, raw: bytes) -> bool:
+        """Whether a manifest describes a database past `max_db_size`
+        (checked before its chunks are sent; anything else it may be wrong
+        with is `_validate`'s to say)."""
+        try:
+            fmt.decode_and_validate(raw, max_db_size=self.max_db_size)
+        except fmt.ManifestError as e:
+            return e.rule == "size-limit"
+        return False
+
+    def _stopped(self, db: sp.DbDir, why: str) -> None:
+        """A manifest of `db` is past `max_db_size`: record since when in
+        `copier.stopped` (once), and say it once per database."""
+        record = json.dumps({"since": time.time(), "max_db_size": self.max_db_size, "reason": why})
+        sp.write_new(db.sub(sp.STOPPED_FILE), record.encode())
+        with self._stats_lock:
+            first = db.name not in self._stopped_said
+            self._stopped_said.add(db.name)
+        if first:
+            log.error("%s: NOT replicated from now on: %s (max_db_size %s; the store keeps its last copy; "
+                      "`verneuilctl lag` shows it)", db.source() or db.path, why, fmt.format_size(self.max_db_size))
+
+    def _replicates(self, db: sp.DbDir) -> None:
+        """A manifest of `db` reached the store: no longer stopped."""
+        if sp.unlink_quiet(db.sub(sp.STOPPED_FILE)):
+            with self._stats_lock:
+                self._stopped_said.discard(db.name)
+            log.warning("%s: replicated again (back under max_db_size)", db.source() or db.path)
 
     def _upload_manifest(self, db: sp.DbDir, name: str, raw: bytes, m: fmt.Manifest) -> None:
-        blob = fmt.compress_manifest(raw)
-        self._request(lambda: self.store.manifests.put(name, blob), "put manifest")
+        """Upload a manifest (with its chunks' places, in the packed layout:
+        Unplaced if some have none)."""
+        if self.packer is not None:
+            m = self.packer.upload_manifest(db, name, raw, m)
+        else:
+            blob = fmt.compress_manifest(raw)
+            self._request(lambda: self.store.manifests.put(name, blob), "put manifest")
         self._state(db).last_raw[name] = _raw_fp(raw)
+        self._replicates(db)
         self._count(manifests_uploaded=1)
         self.stats.last_upload = time.time()
         state = self._state(db)
         if not state.announced:
             state.announced = True
-            log.info("replicating %s to %s (manifest %s)", db.source() or db.path, self.store.describe(), name)
+            log.info("replicating %s", db.source() or db.path)
+            log.debug("%s: manifest %s", db.source() or db.path, name)
         log.debug("uploaded manifest %s (%d bytes, %d chunks)", name, m.len, len(m.chunks))
         self._maybe_schedule_touch(db, m)
+        if self.packer is not None:
+            self.packer.collect(db, name)
 
     def _store_has(self, name: str, raw: bytes) -> bool:
         """Whether the store's current manifest `name` holds exactly `raw`."""
@@ -400,6 +477,8 @@ class Copier:
             return False
         if blob == raw:
             return True
+        if self.packer is not None:
+            return self.packer.store_copy(blob) == raw
         if blob.startswith(fmt.ZSTD_MAGIC):
             import zstandard
             try:
@@ -427,12 +506,10 @@ class Copier:
             return
         os.utime(path)  # claim this round before doing it
         # Chunk 0 is never uploaded; other bundled chunks (b-tree tops) are,
-        # and a later manifest may name them without bundling them.
-        names = {fp.name for i, fp in enumerate(m.chunks) if i != 0}
-        if m.base_chunks_fprint is not None:
-            names.add(m.base_chunks_fprint.name)
-        names.discard(fmt.ZERO_CHUNK_NAME)
-        log.info("touching %d chunks of %s", len(names), db.path)
+        # and a later manifest may name them without bundling them.  In the
+        # packed layout the objects are the packs holding them.
+        names = set(fmt.stored_objects(m))
+        log.info("touching %d objects of %s", len(names), db.path)
         label = db.source() or db.path
         with self._stats_lock:
             self._touch_warned.discard(label)  # a new patrol: warn again if chunks are missing
@@ -461,6 +538,10 @@ class Copier:
                 m = self._validate(raw)
             except (OSError, BadSnapshot):
                 continue
+            if self.packer is not None:  # the places the store's copy gives
+                m = self.packer.ledger(db, name).last
+                if m is None:
+                    continue
             self._maybe_schedule_touch(db, m)
 
     def _touch_one(self, item: tuple[str, str]) -> None:
@@ -581,7 +662,10 @@ class Copier:
             if entry not in (sp.CHUNKS, sp.META):
                 self._dead_letter(db, os.path.join(base, entry), "snapshot.%s.%s" % (label, entry))
         chunks_dir = os.path.join(base, sp.CHUNKS)
-        bad = self._upload_chunk_dir(db, chunks_dir)
+        meta_dir = os.path.join(base, sp.META)
+        if self._snapshot_past_bound(meta_dir):
+            shutil.rmtree(chunks_dir, ignore_errors=True)  # never sent: its manifest is refused below
+        bad = self._upload_chunk_dir(db, chunks_dir, meta_dir)
         err = sp.rmdir_quiet(chunks_dir)
         if err == errno.ENOTDIR:
             self._dead_letter(db, chunks_dir, "snapshot.%s.chunks" % label)
@@ -590,14 +674,28 @@ class Copier:
                 self._dead_letter(db, os.path.join(chunks_dir, leftover), "leftover." + leftover)
                 bad += 1
             sp.rmdir_quiet(chunks_dir)
-        meta_dir = os.path.join(base, sp.META)
         names = sp.listdir_or_empty(meta_dir)
         if names:
+            if self.packer is not None and not bad:
+                for name in names:
+                    self._prepare_upload(db, os.path.join(meta_dir, name), name)
             with self._db_lock(db):
                 for name in names:
                     self._upload_consumed_manifest(db, meta_dir, name, bad)
         if sp.rmdir_quiet(meta_dir) == errno.ENOTDIR:
             self._dead_letter(db, meta_dir, "snapshot.%s.meta" % label)
+
+    def _snapshot_past_bound(self, meta_dir: str) -> bool:
+        """Whether a snapshot's manifest describes a database past
+        `max_db_size` (then its chunks are not sent)."""
+        for name in sp.listdir_or_empty(meta_dir):
+            try:
+                raw = sp.read_regular(os.path.join(meta_dir, name))
+            except OSError:
+                continue
+            if self._past_bound(raw):
+                return True
+        return False
 
     def _upload_consumed_manifest(self, db: sp.DbDir, meta_dir: str, name: str, bad: int) -> None:
         path = os.path.join(meta_dir, name)
@@ -620,12 +718,26 @@ class Copier:
             return
         try:
             m = self._validate(raw)
-        except BadSnapshot as e:
+            self._upload_manifest(db, name, raw, m)
+        except PastBound as e:
+            self._stopped(db, str(e))
+            self._dead_letter(db, path, "too-large.manifest")
+            return
+        except (BadSnapshot, Unplaced) as e:
             log.error("%s: %s; moved aside", path, e)
             self._dead_letter(db, path, "invalid.manifest")
             return
-        self._upload_manifest(db, name, raw, m)
         sp.unlink_quiet(path)
+
+    def _prepare_upload(self, db: sp.DbDir, path: str, name: str) -> None:
+        """Packed layout, before a manifest's upload and outside the lock:
+        compaction (`Packer.prepare`); a manifest that cannot be read is
+        left to the upload, which says why."""
+        try:
+            m = self._validate(sp.read_regular(path))
+        except (OSError, BadSnapshot):
+            return
+        self.packer.prepare(db, name, m)
 
     # -- staging ----------------------------------------------------------------
 
@@ -642,7 +754,7 @@ class Copier:
         did = False
         chunks_dir = db.sub(sp.STAGING, sp.CHUNKS)
         if sp.listdir_or_empty(chunks_dir):
-            bad = self._upload_chunk_dir(db, chunks_dir)
+            bad = self._upload_chunk_dir(db, chunks_dir, db.sub(sp.STAGING, sp.META))
             did = True
         else:
             bad = 0
@@ -665,6 +777,8 @@ class Copier:
             return False  # unchanged since we uploaded (or refused) it
         if bad or self._staged_chunks_pending(db) or self._ready_or_consuming(db):
             return False  # not now: chunks in flight (a later pass will see it)
+        if self.packer is not None:
+            self._prepare_upload(db, path, name)
         with self._db_lock(db):
             # 1. identity of what we read (the file is immutable once published)
             try:
@@ -708,12 +822,18 @@ class Copier:
                 return False
             try:
                 m = self._validate(raw)
-            except BadSnapshot as e:
-                log.error("staged manifest %s is invalid, not uploaded: %s", path, e)
+                self._upload_manifest(db, name, raw, m)
+            except PastBound as e:
+                self._stopped(db, str(e))
                 state.staged_bad[name] = ident
                 return False
-            self._upload_manifest(db, name, raw, m)
+            except (BadSnapshot, Unplaced) as e:
+                log.error("staged manifest %s is not uploaded: %s", path, e)
+                state.staged_bad[name] = ident
+                return False
             state.staged_done[name] = ident
+            if self.packer is not None:
+                self.packer.after_staged_upload(db, name, ident.ctime_ns)
             return True
 
     # -- passes -----------------------------------------------------------------
@@ -880,7 +1000,7 @@ class Copier:
         store catches up soon after an outage ends)."""
         failures = 0
         log.info("copier started: spool %s -> %s (%s requests/s, burst %d, %d workers)", self.spool_dir,
-                 self.store.describe(), "%g" % self.bucket.rate if self.bucket.rate else "unpaced", self.bucket.burst, self.workers)
+                 self.store.url, "%g" % self.bucket.rate if self.bucket.rate else "unpaced", self.bucket.burst, self.workers)
         try:
             while not self.stop_event.is_set():
                 try:
@@ -903,7 +1023,7 @@ class Copier:
                     self.wake_event.wait(wait)
                     self.wake_event.clear()
         finally:
-            log.info("copier stopped: %s", self.stats.snapshot())
+            log.info("copier stopped: %s", self.stats.summary())
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -911,3 +1031,17 @@ class Copier:
 
     def wake(self) -> None:
         self.wake_event.set()
+
+
+def _dir_manifest(meta_dir: str, max_db_size: int) -> tuple[Optional[str], Optional[fmt.Manifest]]:
+    """The manifest of a snapshot's (or staging's) `meta` directory: its
+    name and, when it decodes, the manifest (None, None: there is none)."""
+    for name in sorted(sp.listdir_or_empty(meta_dir)):
+        if fmt.parse_manifest_name(name) is None:
+            continue
+        try:
+            return name, fmt.decode_and_validate(sp.read_regular(os.path.join(meta_dir, name)),
+                                                 max_db_size=max_db_size)
+        except (OSError, fmt.ManifestError):
+            return name, None
+    return None, None

@@ -11,16 +11,20 @@ database:
 1. `find_manifest`: its current manifest in the store.  A lost base chunk
    (Verneuil writers XOR long chunk lists with one) is rebuilt from the
    source file when the file still holds that snapshot's chunks;
-2. `live_chunks`: the chunk blobs that manifest needs, as the copier's touch
-   patrol sees them: every chunk but chunk 0 (always bundled, never
-   uploaded) and the zero chunk (never stored), plus the base chunk.  Other
-   bundled chunks (b-tree tops) are included: writers upload them too, and a
-   later manifest may name them without bundling them;
+2. `format.stored_objects`: the objects that manifest needs, as the
+   copier's touch patrol sees them: the object of every chunk but chunk 0
+   (always bundled, never uploaded) and the zero chunk (never stored), plus
+   the base chunk.  In Verneuil's layout an object is one chunk; in the
+   packed layout most are packs.  Other bundled chunks (b-tree tops) are
+   included: writers upload them too, and a later manifest may name them
+   without bundling them;
 3. `find_missing`: which of them the store lacks (parallel `exists`);
 4. `read_verified_chunk`: bytes whose fingerprint is the chunk's name, from
    the manifest (bundled chunks, the rebuilt base chunk) or from one of the
    chunk's positions in the source file;
-5. `upload_chunk`: zstd-compressed as copiers upload, with `put_if_absent`.
+5. `rebuild_object`: a chunk object zstd-compressed as copiers upload it;
+   a pack rebuilt with every chunk the manifest places in it at its place
+   (`rebuild_pack`); uploaded with `put_if_absent`.
 
 No lock is taken on the source: every byte read is checked against the
 chunk's full 128-bit fingerprint, so a write racing with the read makes that
@@ -77,13 +81,15 @@ class LostBaseChunk(RestoreError):
 
 @dataclasses.dataclass
 class RepairReport:
-    """What `repair_database` found and did for one database.  Chunk lists
-    hold chunk names.  `repairable`: missing chunks whose verified bytes were
+    """What `repair_database` found and did for one database.  The lists
+    hold object names: chunk names, and pack keys in the packed layout
+    (`packed`).  `repairable`: missing objects whose verified bytes were
     found (uploaded unless `dry_run`); `repaired`: those uploaded."""
 
     source: str
     manifest: str
     dry_run: bool = False
+    packed: bool = False
     length: int = 0
     checked: int = 0
     missing: list[str] = dataclasses.field(default_factory=list)
@@ -102,6 +108,7 @@ class RepairReport:
             "source": self.source,
             "manifest": self.manifest,
             "dry_run": self.dry_run,
+            "packed": self.packed,
             "len": self.length,
             "checked": self.checked,
             "missing": len(self.missing),
@@ -115,7 +122,7 @@ class RepairReport:
         }
 
 
-def _retry(fn: Callable, what: str):
+def retry_transient(fn: Callable, what: str):
     """One store request, retried while the error is transient (the
     copier's backoff: 6 attempts, jittered, capped at 2 s)."""
     return retry(fn, transient=(TransientError,), backoff=Backoff(), what=what)
@@ -131,14 +138,14 @@ def find_manifest(store, name: str, source: Optional[str] = None
     LostBaseChunk if its base chunk is lost for good, RestoreError if it is
     corrupt."""
     try:
-        blob = _retry(lambda: store.manifests.get(name), "get manifest")
+        blob = retry_transient(lambda: store.manifests.get(name), "get manifest")
     except NotFound:
         raise NoManifest("no manifest %s in %s" % (name, store.manifests.describe())) from None
     lost: list[fmt.Fprint] = []
 
     def fetch(fp: fmt.Fprint) -> bytes:
         try:
-            data = _retry(lambda: store.chunks.get(fp.name, max_bytes=fmt.base_chunk_blob_limit()),
+            data = retry_transient(lambda: store.chunks.get(fp.name, max_bytes=fmt.base_chunk_blob_limit()),
                           "get base chunk")
         except NotFound:
             lost.append(fp)
@@ -226,8 +233,9 @@ def rebuild_base_chunk(blob: bytes, base_fp: fmt.Fprint, source: str) -> Optiona
 # -- 2. and 3. which chunks ---------------------------------------------------------
 
 def live_chunks(m: fmt.Manifest) -> dict[fmt.Fprint, list[int]]:
-    """The chunk blobs the store must hold for `m`, each with its positions
-    in the file (none for the base chunk), in file order."""
+    """The chunks whose blobs the store must hold for `m` (in whatever
+    object), each with its positions in the file (none for the base chunk),
+    in file order."""
     positions: dict[fmt.Fprint, list[int]] = {}
     if m.base_chunks_fprint is not None and m.base_chunks_fprint != fmt.ZERO_CHUNK_FPRINT:
         positions[m.base_chunks_fprint] = []
@@ -238,22 +246,22 @@ def live_chunks(m: fmt.Manifest) -> dict[fmt.Fprint, list[int]]:
     return positions
 
 
-def find_missing(store, fps: list[fmt.Fprint], pool: DaemonPool,
-                 progress: Optional[Progress] = None) -> list[fmt.Fprint]:
-    """The chunks of `fps` the store lacks, in the order given."""
-    def exists(fp: fmt.Fprint) -> bool:
-        return _retry(lambda: store.chunks.exists(fp.name), "check chunk")
+def find_missing(store, keys: list[str], pool: DaemonPool,
+                 progress: Optional[Progress] = None) -> list[str]:
+    """The objects of `keys` the store lacks, in the order given."""
+    def exists(key: str) -> bool:
+        return retry_transient(lambda: store.chunks.exists(key), "check object")
 
     missing = []
-    for start in range(0, len(fps), BATCH):
-        batch = fps[start:start + BATCH]
-        for fp, (ok, value) in zip(batch, pool.map(exists, batch)):
+    for start in range(0, len(keys), BATCH):
+        batch = keys[start:start + BATCH]
+        for key, (ok, value) in zip(batch, pool.map(exists, batch)):
             if not ok:
                 raise value
             if not value:
-                missing.append(fp)
+                missing.append(key)
         if progress is not None:
-            progress(CHECKING, start + len(batch), len(fps))
+            progress(CHECKING, start + len(batch), len(keys))
     return missing
 
 
@@ -279,19 +287,98 @@ def read_verified_chunk(fd: Optional[int], m: fmt.Manifest, fp: fmt.Fprint,
     return None
 
 
-def upload_chunk(store, fp: fmt.Fprint, data: bytes) -> bool:
-    """Upload one chunk as copiers do (zstd frame, content-addressed name);
-    True if this call wrote it (False: it was there already)."""
-    blob = fmt.compress_chunk(data)
-    return _retry(lambda: store.chunks.put_if_absent(fp.name, blob), "put chunk")
+def _blob_of_length(data: bytes, length: int) -> Optional[bytes]:
+    """A chunk blob of exactly `length` bytes holding `data`: its zstd frame
+    as copiers make it (with zero bytes after a shorter frame, which
+    decoding ignores), or the raw bytes; None if neither fits."""
+    frame = fmt.compress_chunk(data)
+    if len(frame) <= length:
+        return frame + bytes(length - len(frame))
+    return data if len(data) == length else None
+
+
+def rebuild_pack(fd: Optional[int], m: fmt.Manifest, key: str, indices: list[int],
+                 known: Optional[bytes] = None) -> Optional[bytes]:
+    """The bytes of a lost pack as far as `m` uses it: the blob of every
+    chunk `m` places in it, at its place, from verified bytes; zeros where
+    no chunk of `m` is (chunks only older versions placed there stay lost).
+    None if one of its chunks cannot be had."""
+    places = {}
+    for index in indices:
+        source = fmt.chunk_source(m, index)
+        places[source.start] = (index, source.end - source.start)
+    pack = bytearray(max(start + n for start, (_, n) in places.items()))
+    for start, (index, length) in places.items():
+        data = read_verified_chunk(fd, m, m.chunks[index], [index], known)
+        blob = None if data is None else _blob_of_length(data, length)
+        if blob is None:
+            return None
+        pack[start:start + length] = blob
+    return bytes(pack)
+
+
+def rebuild_object(fd: Optional[int], m: fmt.Manifest, key: str, positions: dict[fmt.Fprint, list[int]],
+                   indices: list[int], known: Optional[bytes] = None) -> Optional[bytes]:
+    """The blob to upload again under `key` (a chunk object, the base chunk
+    or a pack of `m`, serving the chunks `indices`), or None when the
+    verified bytes it needs cannot be had."""
+    if fmt.parse_pack_key(key) is not None:
+        return rebuild_pack(fd, m, key, indices, known)
+    fp = m.chunks[indices[0]] if indices else fmt.parse_chunk_name(key)
+    data = read_verified_chunk(fd, m, fp, positions.get(fp, []), known)
+    return None if data is None else fmt.compress_chunk(data)
 
 
 # -- one database -------------------------------------------------------------------
 
+def _needs_source(m: fmt.Manifest, objects: dict[str, list[int]], missing: list[str],
+                  base: Optional[bytes]) -> bool:
+    """Whether some missing object needs bytes only the source file has
+    (not bundled in the manifest, nor the rebuilt base chunk)."""
+    for key in missing:
+        if not objects[key]:
+            if base is None:
+                return True
+        elif any(i not in m.bundled for i in objects[key]):
+            return True
+    return False
+
+
+def _repair_missing(store, m: fmt.Manifest, report: RepairReport, objects: dict[str, list[int]],
+                    missing: list[str], fd: Optional[int], base: Optional[bytes], pool: DaemonPool,
+                    progress: Optional[Progress]) -> None:
+    """Rebuild and (unless a dry run) upload every missing object, filling
+    the report's lists."""
+    positions = live_chunks(m)
+
+    def repair_one(key: str) -> str:
+        blob = rebuild_object(fd, m, key, positions, objects[key], base)
+        if blob is None:
+            return "unrepairable"
+        if report.dry_run:
+            return "repairable"
+        retry_transient(lambda: store.chunks.put_if_absent(key, blob), "put object")
+        return "repaired"
+
+    for start in range(0, len(missing), BATCH):
+        batch = missing[start:start + BATCH]
+        for key, (ok, value) in zip(batch, pool.map(repair_one, batch)):
+            if not ok:
+                raise value
+            if value == "unrepairable":
+                report.unrepairable.append(key)
+            else:
+                report.repairable.append(key)
+                if value == "repaired":
+                    report.repaired.append(key)
+        if progress is not None:
+            progress(REPAIRING, start + len(batch), len(missing))
+
+
 def repair_database(store, source: str, name: str, *, dry_run: bool = False,
                     workers: int = DEFAULT_WORKERS,
                     progress: Optional[Progress] = None) -> RepairReport:
-    """Check, and unless `dry_run` repair, the chunks of manifest `name`
+    """Check, and unless `dry_run` repair, the objects of manifest `name`
     from the database file `source`.  Raises NoManifest / RestoreError (the
     manifest), OSError (the source cannot be read) and StoreError."""
     report = RepairReport(source=source, manifest=name, dry_run=dry_run)
@@ -305,52 +392,27 @@ def repair_database(store, source: str, name: str, *, dry_run: bool = False,
         report.unrepairable.append(lost)
         return report
     report.length = m.len
-    positions = live_chunks(m)
-    fps = list(positions)
-    report.checked = len(fps)
+    report.packed = m.layout is not None
+    objects = fmt.stored_objects(m)
+    report.checked = len(objects)
     pool = DaemonPool(workers, name="repair")
     try:
-        missing = find_missing(store, fps, pool, progress)
-        report.missing = [fp.name for fp in missing]
-        if not missing:
+        report.missing = find_missing(store, list(objects), pool, progress)
+        if not report.missing:
             return report
         # The file is only opened when the manifest itself cannot give
-        # every missing chunk back (bundled chunks, a rebuilt base chunk).
-        in_manifest = {fp for fp in missing if any(i in m.bundled for i in positions[fp])}
-        if base is not None:
-            in_manifest.add(m.base_chunks_fprint)
-        needs_source = any(fp not in in_manifest for fp in missing)
-        fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC) if needs_source else None
+        # every missing object back (bundled chunks, a rebuilt base chunk).
+        fd = (os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+              if _needs_source(m, objects, report.missing, base) else None)
         try:
-            def repair_one(fp: fmt.Fprint) -> str:
-                data = read_verified_chunk(fd, m, fp, positions[fp], base)
-                if data is None:
-                    return "unrepairable"
-                if not dry_run:
-                    upload_chunk(store, fp, data)
-                    return "repaired"
-                return "repairable"
-
-            for start in range(0, len(missing), BATCH):
-                batch = missing[start:start + BATCH]
-                for fp, (ok, value) in zip(batch, pool.map(repair_one, batch)):
-                    if not ok:
-                        raise value
-                    if value == "unrepairable":
-                        report.unrepairable.append(fp.name)
-                    else:
-                        report.repairable.append(fp.name)
-                        if value == "repaired":
-                            report.repaired.append(fp.name)
-                if progress is not None:
-                    progress(REPAIRING, start + len(batch), len(missing))
+            _repair_missing(store, m, report, objects, report.missing, fd, base, pool, progress)
         finally:
             if fd is not None:
                 os.close(fd)
     finally:
         pool.close()
     if report.repaired:
-        log.info("%s: uploaded %d missing chunks again", source, len(report.repaired))
+        log.info("%s: uploaded %d missing objects again", source, len(report.repaired))
     return report
 
 

@@ -1,5 +1,7 @@
 """Read a replica back out of a store: fetch and validate a manifest, then
-rebuild the database file from its chunks, every one verified.
+rebuild the database file from its chunks, every one verified, in either
+layout (a chunk object per GET, or runs of adjacent chunks of a pack per
+range GET: `format.chunk_runs`, `store.read_run`).
 
 Used by `verneuilctl restore` / `manifest` / `ls` and by the tests that check
 copiers end to end.  A wrong byte is never written: chunks are checked
@@ -14,7 +16,7 @@ import threading
 from typing import BinaryIO, Callable, Optional
 
 from .. import format as fmt
-from ..store import NotFound, TooLarge
+from ..store import NotFound, TooLarge, read_run
 from .pool import DaemonPool
 
 
@@ -26,25 +28,28 @@ class RestoreError(Exception):
 RAISE_LIMIT_HINT = "raise max_db_size (verneuilctl --max-db-size) if that database is genuine"
 
 
-def chunk_fetcher(store) -> Callable[[fmt.Fprint], bytes]:
-    """fetch(fprint) -> the chunk's verified bytes.  A chunk object larger
-    than `fmt.MAX_CHUNK_BLOB_BYTES` is refused unread (RestoreError)."""
-    def fetch(fp: fmt.Fprint) -> bytes:
-        if fp == fmt.ZERO_CHUNK_FPRINT:
-            return bytes(fmt.CHUNK_SIZE)
+def _read_failure(run: fmt.Run, error: Exception) -> RestoreError:
+    """The RestoreError of a run that could not be read (one line)."""
+    what = "chunk %s" % run.key if run.end is None else "pack %s" % run.key
+    if isinstance(error, NotFound):
+        return RestoreError("%s is missing from the store" % what)
+    if isinstance(error, TooLarge):
+        return RestoreError("corrupt chunk in the store: %s is %s, more than the %d bytes "
+                            "a chunk object may hold"
+                            % (run.key, "%d bytes" % error.size if error.size is not None
+                               else "larger", fmt.MAX_CHUNK_BLOB_BYTES))
+    return RestoreError("corrupt chunk in the store: %s" % error)
+
+
+def run_fetcher(store, m: fmt.Manifest) -> Callable[[fmt.Run], list[tuple[int, bytes]]]:
+    """fetch(run) -> (index, verified bytes) of each chunk of a run of `m`
+    (`fmt.chunk_runs`): one read of the store per run.  RestoreError for a
+    run that is missing or does not verify."""
+    def fetch(run: fmt.Run) -> list[tuple[int, bytes]]:
         try:
-            blob = store.chunks.get(fp.name, max_bytes=fmt.MAX_CHUNK_BLOB_BYTES)
-        except NotFound:
-            raise RestoreError("chunk %s is missing from the store" % fp.name) from None
-        except TooLarge as e:
-            raise RestoreError("corrupt chunk in the store: %s is %s, more than the %d bytes "
-                               "a chunk object may hold"
-                               % (fp.name, "%d bytes" % e.size if e.size is not None
-                                  else "larger", fmt.MAX_CHUNK_BLOB_BYTES)) from None
-        try:
-            return fmt.decode_chunk(blob, fp)
-        except fmt.ChunkError as e:
-            raise RestoreError("corrupt chunk in the store: %s" % e) from None
+            return read_run(store.chunks, run, {i: m.chunks[i] for i, _, _ in run.parts})
+        except (NotFound, TooLarge, fmt.ChunkError) as e:
+            raise _read_failure(run, e) from None
     return fetch
 
 
@@ -107,37 +112,56 @@ def fetch_manifest(store, name: str, version_id: Optional[str] = None, *,
                            store, "manifest %s" % name, max_db_size=max_db_size)
 
 
+def _window_runs(m: fmt.Manifest, indexes: range) -> list[fmt.Run]:
+    """The reads that fetch the chunks of `indexes` that need one: not
+    bundled, not the zero chunk, each fingerprint once."""
+    wanted: dict[fmt.Fprint, int] = {}
+    for i in indexes:
+        fp = m.chunks[i]
+        if i not in m.bundled and fp != fmt.ZERO_CHUNK_FPRINT:
+            wanted.setdefault(fp, i)
+    return fmt.chunk_runs(m, sorted(wanted.values()))
+
+
+def _chunk_bytes(m: fmt.Manifest, i: int, got: dict[fmt.Fprint, bytes]) -> bytes:
+    """Chunk `i`'s bytes, checked against the length the manifest gives it."""
+    fp = m.chunks[i]
+    want = m.chunk_length(i)
+    if i in m.bundled:
+        data = m.bundled[i]
+    elif fp == fmt.ZERO_CHUNK_FPRINT:
+        data = bytes(want)
+    else:
+        data = got[fp]
+    if len(data) != want:
+        raise RestoreError("chunk %d (%s) has %d bytes, the manifest says %d"
+                           % (i, fp.name, len(data), want))
+    return data
+
+
 def write_snapshot(store, m: fmt.Manifest, out: BinaryIO, *, workers: int = 8,
-                   window: int = 64, progress: Optional[Callable[[int, int], None]] = None) -> int:
-    """Write the file `m` describes to `out`, in order, fetching chunks in
-    parallel; returns the number of bytes written."""
-    fetch = chunk_fetcher(store)
+                   window: int = 256, progress: Optional[Callable[[int, int], None]] = None) -> int:
+    """Write the file `m` describes to `out`, in order, `window` chunks at a
+    time, their reads (a chunk object each, or runs of a pack: `run_fetcher`)
+    in parallel; returns the number of bytes written."""
+    fetch = run_fetcher(store, m)
     pool = DaemonPool(workers, name="restore")
     written = 0
     try:
         n = len(m.chunks)
         for start in range(0, n, window):
             indexes = range(start, min(n, start + window))
-
-            def get(i: int) -> bytes:
-                if i in m.bundled:
-                    return m.bundled[i]
-                return fetch(m.chunks[i])
-
-            for i, (ok, value) in zip(indexes, pool.map(get, indexes)):
+            got: dict[fmt.Fprint, bytes] = {}
+            for ok, value in pool.map(fetch, _window_runs(m, indexes)):
                 if not ok:
                     raise value
-                data = value
-                want = m.chunk_length(i)
-                if len(data) < want and m.chunks[i] == fmt.ZERO_CHUNK_FPRINT:
-                    data = bytes(want)
-                if len(data) != want:
-                    raise RestoreError("chunk %d (%s) has %d bytes, the manifest says %d"
-                                       % (i, m.chunks[i].name, len(data), want))
+                got.update((m.chunks[i], data) for i, data in value)
+            for i in indexes:
+                data = _chunk_bytes(m, i, got)
                 out.write(data)
                 written += len(data)
-                if progress is not None:
-                    progress(written, m.len)
+            if progress is not None:
+                progress(written, m.len)
     finally:
         pool.close()
     return written

@@ -9,11 +9,15 @@ last commit frame before the first that does not), else the file's.  Either
 way bytes 18 and 19 read 1, as in the writer's snapshots of a WAL database
 (docs/WRITER.md, "WAL databases").
 
+`committed_size` is the committed state's size the same way: the file's
+size, or in WAL mode the page count of that header times its page size.
+
 The WAL's checksums are not verified here (the writer verifies them): this
 is a status for the copier's tools, never bytes of a replica.
 """
 from __future__ import annotations
 
+import os
 import struct
 from typing import Optional
 
@@ -84,3 +88,21 @@ def committed_header(path: str) -> Optional[bytes]:
         header = _committed_page1(path + "-wal") or header
     versions = bytes(1 if b == 2 else b for b in header[_FORMAT_VERSIONS])
     return header[:18] + versions + header[20:]
+
+
+def committed_size(path: str) -> Optional[int]:
+    """The size of the database's committed state (None: unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(HEADER_BYTES)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return None
+    if len(header) < HEADER_BYTES or not uses_wal(header):
+        return size
+    header = committed_header(path)
+    if header is None:
+        return size
+    page_size, = struct.unpack(">H", header[16:18])
+    pages, = struct.unpack(">I", header[28:32])
+    return pages * (65536 if page_size == 1 else page_size)

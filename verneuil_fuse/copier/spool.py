@@ -1,18 +1,23 @@
 """The spool as copiers see it (docs/SPOOL.md): paths, names, identities.
 
 Nothing here talks to a store.  Everything is a plain POSIX operation on the
-tree the writer VFS maintains; the only state copiers add is `copier.lock`
-and `copier.touched` in each database's directory and `dead-letter/` in the
-boot root.
+tree the writer VFS maintains; the only state copiers add is `copier.lock`,
+`copier.touched`, `copier.store`, `copier.stopped` and, in the packed layout,
+`copier.packs/`, `copier.last` and `copier.gc` in each database's directory, and
+`dead-letter/` in the boot root (bounded: `DEAD_LETTER_MAX_ENTRIES` entries and
+`DEAD_LETTER_MAX_BYTES`, the oldest dropped first and counted in
+`dead-letter/.dropped`).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import logging
 import os
 import re
+import shutil
 import stat
 import struct
 import threading
@@ -32,7 +37,17 @@ SOURCE = "source"
 LOCK_FILE = "copier.lock"
 TOUCHED_FILE = "copier.touched"
 STORE_FILE = "copier.store"  # identity of the chunk store this database is shipped to
+PACKS_DIR = "copier.packs"  # packed layout: where the chunks packed from this directory went
+LAST_FILE = "copier.last"  # packed layout: the last manifest uploaded (raw, with its layout)
+GC_FILE = "copier.gc"  # packed layout: when GC last ran, and the packs each version names
 DEAD_LETTER = "dead-letter"
+STOPPED_FILE = "copier.stopped"  # a database the copier refuses to ship (past max_db_size)
+# dead-letter/ keeps at most this many entries and bytes; past either, the
+# oldest are deleted (a writer past the copier's bound used to leave one
+# manifest of 16 MiB or more per commit there, forever).
+DEAD_LETTER_MAX_ENTRIES = 100
+DEAD_LETTER_MAX_BYTES = 256 << 20
+DROPPED_FILE = ".dropped"  # in dead-letter/: how many entries were deleted so far
 
 # "<boot_id>.<boot_time>": a UUID, a dot, the ctime of /proc/1 in seconds.
 BOOT_ROOT_RE = re.compile(r"\A[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
@@ -220,7 +235,73 @@ def dead_letter(root: str, path: str, label: str) -> Optional[str]:
     except FileNotFoundError:
         return None
     log.warning("moved unexpected %s to %s", path, target)
+    prune_dead_letters(target_dir)
     return target
+
+
+def _entry_size(path: str) -> int:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return 0
+    return tree_size(path)[1] if stat.S_ISDIR(st.st_mode) else st.st_size
+
+
+def dead_letters(target_dir: str) -> dict:
+    """What `dead-letter/` holds: entries, bytes, and how many were dropped."""
+    names = [n for n in listdir_or_empty(target_dir) if not n.startswith(DROPPED_FILE)]
+    try:
+        with open(os.path.join(target_dir, DROPPED_FILE)) as f:
+            dropped = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        dropped = 0
+    return {"entries": len(names), "bytes": sum(_entry_size(os.path.join(target_dir, n)) for n in names),
+            "dropped": dropped}
+
+
+def _drop(path: str) -> bool:
+    """Delete a dead letter (a file, or a directory and all it holds);
+    False when it cannot be (logged)."""
+    remove = shutil.rmtree if os.path.isdir(path) and not os.path.islink(path) else os.unlink
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            remove(path)
+    except OSError as e:
+        log.warning("cannot drop dead letter %s: %s", path, e)
+        return False
+    return True
+
+
+def prune_dead_letters(target_dir: str) -> int:
+    """Delete the oldest entries of `dead-letter/` (by the time they were
+    moved there) until at most `DEAD_LETTER_MAX_ENTRIES` entries and
+    `DEAD_LETTER_MAX_BYTES` remain; how many were deleted (added to its
+    `.dropped` count, logged)."""
+    entries = []
+    for name in listdir_or_empty(target_dir):
+        if name.startswith(DROPPED_FILE):
+            continue
+        path = os.path.join(target_dir, name)
+        try:
+            moved = os.lstat(path).st_ctime_ns  # a rename sets it
+        except FileNotFoundError:
+            continue
+        entries.append((moved, name, _entry_size(path)))
+    entries.sort()
+    total = sum(size for _, _, size in entries)
+    dropped = 0
+    while entries and (len(entries) > DEAD_LETTER_MAX_ENTRIES or total > DEAD_LETTER_MAX_BYTES):
+        _, name, size = entries.pop(0)
+        if not _drop(os.path.join(target_dir, name)):
+            break
+        total -= size
+        dropped += 1
+    if dropped:
+        count = dead_letters(target_dir)["dropped"] + dropped
+        write_atomic(os.path.join(target_dir, DROPPED_FILE), b"%d\n" % count)
+        log.warning("%s: dropped the %d oldest dead letter(s) (%d in all): at most %d entries and %s are kept",
+                    target_dir, dropped, count, DEAD_LETTER_MAX_ENTRIES, "%d MiB" % (DEAD_LETTER_MAX_BYTES >> 20))
+    return dropped
 
 
 class NotRegular(IsADirectoryError):
@@ -261,6 +342,15 @@ def write_new(path: str, data: bytes) -> bool:
         return False
     finally:
         unlink_quiet(tmp)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Replace `path` with `data`, atomically (a temporary file renamed
+    into place, named `path` plus a suffix)."""
+    tmp = "%s.%d.%d.tmp" % (path, os.getpid(), threading.get_ident())
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def unlink_quiet(path: str, dir_fd: Optional[int] = None) -> bool:

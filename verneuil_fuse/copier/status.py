@@ -5,9 +5,16 @@ snapshots in `ready`/`consuming`, staged chunks not yet uploaded, the age of
 the staged manifest, whether the source database (its file, and its WAL in
 WAL mode: source.py) moved past it; and, given a store, whether the store
 holds exactly the staged manifest.
+
+A database that stopped replicating says so (`stopped`, with the reason and
+since when; never "in sync", its lag counted from then at least): its source
+database is past `max_db_size` (the writer snapshots no such file), or a copier
+refused its manifest as past it (`copier.stopped`). Each database also
+carries its boot root's dead letters (entries, bytes, dropped).
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Optional
@@ -42,15 +49,24 @@ def _store_manifest_raw(store, name: str, staged: bytes) -> Optional[bytes]:
     """The store's manifest `name`, decompressed, as far as needed to compare
     it with the `staged` (raw) one: None if missing; an object too large to
     be a frame of `staged` (or of any manifest of the default size limit) is
-    not read and reported as b"" (it differs)."""
+    not read and reported as b"" (it differs).  A manifest of the packed
+    layout is compared without its layout (the copier adds it to what the
+    writer staged)."""
     staged_frame_bound = len(staged) + (len(staged) >> 8) + fmt.manifest.ZSTD_FRAME_SLACK
     bound = max(fmt.manifest_blob_limit(fmt.DEFAULT_MAX_DB_SIZE), staged_frame_bound)
+    if getattr(store, "layout", "chunks") == "packed":  # the layout adds at most 27 bytes to 16 a chunk
+        bound = max(bound, min(fmt.MAX_MANIFEST_BYTES, 3 * staged_frame_bound))
     try:
         blob = store.manifests.get(name, max_bytes=bound)
     except NotFound:
         return None
     except TooLarge:
         return b""
+    if getattr(store, "layout", "chunks") == "packed":
+        try:
+            return fmt.strip_layout(fmt.raw_manifest(blob, fmt.MAX_REPLICATED_DB_SIZE))
+        except Exception:  # noqa: BLE001 - ManifestError, the protobuf runtime's DecodeError
+            return b""
     if blob.startswith(fmt.ZSTD_MAGIC):
         import zstandard
         try:
@@ -76,10 +92,30 @@ def source_uses_wal(source: Optional[str]) -> Optional[bool]:
     return src.uses_wal(header)
 
 
-def db_status(db: sp.DbDir, store=None) -> dict:
+def _stopped(db: sp.DbDir, source: Optional[str], max_db_size: int) -> Optional[dict]:
+    """Why and since when `db` stopped replicating (None: it did not)."""
+    size = src.committed_size(source) if source else None
+    try:
+        record = json.loads(sp.read_regular(db.sub(sp.STOPPED_FILE), 4096))
+        since = float(record["since"])
+        reason = "a copier refused it: %s" % record.get("reason", "past max_db_size")
+    except (OSError, ValueError, KeyError, TypeError):
+        since, reason = None, None
+    if reason is not None:
+        return {"reason": reason, "since": since}
+    if size is not None and size > max_db_size:
+        return {"reason": "the source is %s (%d bytes), past max_db_size (%s): the writer does not "
+                          "replicate it" % (fmt.format_size(size), size, fmt.format_size(max_db_size)),
+                "since": None}
+    return None
+
+
+def db_status(db: sp.DbDir, store=None, max_db_size: int = fmt.MAX_REPLICATED_DB_SIZE) -> dict:
     now = time.time()
     source = db.source()
     info: dict = {"dbdir": db.name, "source": source, "wal": source_uses_wal(source)}
+    info["stopped"] = _stopped(db, source, max_db_size)
+    info["dead_letters"] = sp.dead_letters(os.path.join(db.root, sp.DEAD_LETTER))
     staged_files, staged_bytes = sp.tree_size(db.sub(sp.STAGING, sp.CHUNKS))
     info["staged_chunks"] = staged_files
     info["staged_chunk_bytes"] = staged_bytes
@@ -109,6 +145,7 @@ def db_status(db: sp.DbDir, store=None) -> dict:
         if m is not None:
             entry["len"] = m.len
             entry["chunks"] = len(m.chunks)
+            entry["past_bound"] = m.len > max_db_size
             if source:
                 header = src.committed_header(source)
                 entry["source_changed"] = (None if header is None
@@ -124,11 +161,19 @@ def db_status(db: sp.DbDir, store=None) -> dict:
     # writer that does not use the VFS. Not in sync, whatever the store holds.
     changed = [e["age"] for e in manifests if e.get("source_changed")]
     info["source_changed"] = bool(changed)
-    # Lag: how old the oldest snapshot not yet in the store is (0 if in sync).
+    # Lag: how old the oldest snapshot not yet in the store is (0 if in sync);
+    # for a database that stopped, at least since when it did.
     ages = [s["age"] for s in info["ready"] + info["consuming"]] + changed
+    stopped = info["stopped"]
+    if stopped is not None and stopped["since"] is not None:
+        ages.append(max(0.0, now - stopped["since"]))
+    # No snapshot at all yet (a spool directory the writer made before its
+    # first snapshot, or whose every snapshot failed): never in sync, nothing to ship.
+    info["snapshotted"] = bool(manifests or info["ready"] or info["consuming"])
     if store is not None:
         ages += [e["age"] for e in manifests if e.get("in_store") != "current"]
-        in_sync = not ages and staged_files == 0 and all(e.get("in_store") == "current" for e in manifests)
+        in_sync = bool(info["snapshotted"] and not ages and staged_files == 0 and stopped is None
+                       and all(e.get("in_store") == "current" for e in manifests))
         info["lag"] = 0.0 if in_sync else (max(ages) if ages else None)
         info["in_sync"] = in_sync
     else:
@@ -142,7 +187,7 @@ def db_status(db: sp.DbDir, store=None) -> dict:
     return info
 
 
-def spool_status(spool_dir: str, store=None) -> list[dict]:
+def spool_status(spool_dir: str, store=None, max_db_size: int = fmt.MAX_REPLICATED_DB_SIZE) -> list[dict]:
     sp.check_spool(spool_dir)
-    return [db_status(db, store) for root in sp.boot_roots(spool_dir)[0]
+    return [db_status(db, store, max_db_size) for root in sp.boot_roots(spool_dir)[0]
             for db in sp.list_dbdirs(root)]

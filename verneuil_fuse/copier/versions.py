@@ -1,8 +1,8 @@
 """The versions of a database in the store, read for `verneuilctl versions`
 and `restore --at`: each version's manifest fetched and decoded, its time
 (`history.version_time_ns`), its chunks checked for presence, and the
-version current at a given time found by `history.newest_at`'s binary
-search. Blocking: worker threads from `pool.DaemonPool`."""
+version current at a given time found by `history.newest_at` (back from
+the newest version). Blocking: worker threads from `pool.DaemonPool`."""
 from __future__ import annotations
 
 import dataclasses
@@ -74,15 +74,32 @@ def load_all(store, key: str, infos: list, *, max_db_size: int, workers: int) ->
     return out
 
 
+def _missing_in(m, missing: set) -> int:
+    """How many chunk blobs `m` needs (distinct chunks, and its base chunk)
+    sit in objects of `missing`."""
+    from .. import format as fmt
+    lost: set = set()
+    for key, indices in fmt.stored_objects(m).items():
+        if key not in missing:
+            continue
+        if indices:
+            lost.update(m.chunks[i] for i in indices)
+        else:  # the base chunk
+            lost.add(key)
+    return len(lost)
+
+
 def check_chunks(store, versions: list[Version], *, workers: int) -> None:
     """Set `missing_chunks` of every readable version: one existence check
-    per distinct chunk of them all, `workers` at a time."""
+    per distinct object of them all (a chunk object, or a pack in the
+    packed layout), `workers` at a time."""
+    from .. import format as fmt
     from .pool import DaemonPool
-    from .repair import find_missing, live_chunks
+    from .repair import find_missing
     needed: dict = {}
     for v in versions:
         if v.manifest is not None:
-            needed.update(dict.fromkeys(live_chunks(v.manifest)))
+            needed.update(dict.fromkeys(fmt.stored_objects(v.manifest)))
     pool = DaemonPool(max(1, workers), name="history-check")
     try:
         missing = set(find_missing(store, list(needed), pool))
@@ -90,12 +107,13 @@ def check_chunks(store, versions: list[Version], *, workers: int) -> None:
         pool.close()
     for v in versions:
         if v.manifest is not None:
-            v.missing_chunks = sum(1 for fp in live_chunks(v.manifest) if fp in missing)
+            v.missing_chunks = _missing_in(v.manifest, missing)
 
 
 def version_at(store, key: str, at_ns: int, *, max_db_size: int) -> tuple[Optional[Version], list]:
     """(the version current at `at_ns` or None, every VersionInfo oldest
-    first), reading O(log n) manifests."""
+    first), reading the manifests of the versions from the newest back to
+    the one chosen."""
     infos = list_history(store, key)
     loaded: dict[int, Version] = {}
 

@@ -13,13 +13,16 @@ import sys
 import threading
 from array import array
 from collections.abc import Sequence
-from typing import Callable, Iterable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Union
 
 import zstandard
 
 from . import manifest_pb2
 from .names import CHUNK_SIZE, ZERO_CHUNK_FPRINT
 from .umash import CHUNK_KEY, DIRECTORY_KEY, HEADER_KEY, Fprint, fingerprint
+
+if TYPE_CHECKING:
+    from .packs import PackedLayout
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # Verneuil's cap on a decompressed manifest (384 MiB: 16 bytes per 64 KiB
@@ -36,6 +39,12 @@ DEFAULT_MAX_DB_SIZE = 64 << 30
 # Bytes a manifest spends per chunk of its chunk list (two fixed64 words).
 MANIFEST_BYTES_PER_CHUNK = 16
 
+# Bytes a packed layout (docs/FORMAT.md, "Packed layout") may spend per
+# chunk at most: three varints (a pack number below 2^28, an offset below
+# 64 MiB, a length below 2^21: 4 + 4 + 3 bytes) and a pack fingerprint
+# (16 bytes; a layout names at most one pack per chunk).
+PACKED_LAYOUT_BYTES_PER_CHUNK = 27
+
 # Room in a manifest for bundled chunks: writers bundle at most 17 chunks of
 # 64 KiB (chunk 0 and up to 16 b-tree tops, VN_MANIFEST_MAX_EXTRA in the C
 # writer), i.e. 1.06 MiB plus a few bytes of keys each; 2 MiB leaves headroom.
@@ -45,6 +54,17 @@ MANIFEST_BUNDLED_ALLOWANCE = 2 << 20
 # generated_by, protobuf tags): under a KiB in practice; 64 KiB tolerates long
 # free-form tags without mattering next to the chunk list.
 MANIFEST_OTHER_ALLOWANCE = 64 << 10
+
+# The largest database replicated: the writer snapshots no larger file
+# (csrc/tracker.h, VN_MAX_DB_SIZE, the same formula), copiers refuse a
+# larger manifest and `verneuilctl lag` calls such a database stopped. It is
+# the largest whose manifest fits MAX_MANIFEST_BYTES with room for the
+# bundled chunks and the other fields, at 16 bytes per chunk: about 1.5 TiB.
+# VERNEUIL_CONFIG's `max_db_size` lowers it for all three (never raises it).
+# A mount serves up to its own `max_db_size=` (DEFAULT_MAX_DB_SIZE), a bound
+# on what a store can make it allocate.
+MAX_REPLICATED_DB_SIZE = ((MAX_MANIFEST_BYTES - MANIFEST_BUNDLED_ALLOWANCE - MANIFEST_OTHER_ALLOWANCE)
+                          // MANIFEST_BYTES_PER_CHUNK * CHUNK_SIZE)
 
 # A zstd frame may be a little longer than its content (incompressible
 # data): ZSTD_COMPRESSBOUND(n) = n + n/256 + at most 64 bytes below 128 KiB;
@@ -206,6 +226,9 @@ class Manifest:
     bundled: dict[int, bytes] = dataclasses.field(default_factory=dict)
     base_chunks_fprint: Optional[Fprint] = None
     generated_by: bytes = GENERATED_BY
+    # Where the chunks live in a packed store (`packs.PackedLayout`); None
+    # in Verneuil's layout, where each chunk is an object named by it.
+    layout: Optional["PackedLayout"] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, ChunkList):
@@ -242,12 +265,13 @@ def contents_fprint_of(chunks: ChunksLike) -> Fprint:
 def manifest_blob_limit(max_db_size: int) -> int:
     """The largest manifest blob accepted for a database of at most
     `max_db_size` bytes: the bound on the stored object (raw protobuf or a
-    zstd frame of it) and on its decompressed size.  16 bytes per chunk,
-    room for bundled chunks and the other fields, and zstd's worst-case
-    expansion; never more than MAX_MANIFEST_BYTES."""
+    zstd frame of it) and on its decompressed size.  16 bytes per chunk
+    and at most 27 more for a packed layout, room for bundled chunks and
+    the other fields, and zstd's worst-case expansion; never more than
+    MAX_MANIFEST_BYTES."""
     if max_db_size < 0:
         raise ValueError("max_db_size must not be negative, got %d" % max_db_size)
-    raw = (MANIFEST_BYTES_PER_CHUNK * chunk_count(max_db_size)
+    raw = ((MANIFEST_BYTES_PER_CHUNK + PACKED_LAYOUT_BYTES_PER_CHUNK) * chunk_count(max_db_size)
            + MANIFEST_BUNDLED_ALLOWANCE + MANIFEST_OTHER_ALLOWANCE)
     return min(MAX_MANIFEST_BYTES, raw + (raw >> 8) + ZSTD_FRAME_SLACK)
 
@@ -317,6 +341,9 @@ def encode_manifest(m: Manifest, base: Optional[bytes] = None) -> bytes:
         b.chunk_offset = index * CHUNK_SIZE
         _set_fp(b.chunk_fprint, chunks[index])
         b.chunk_data = m.bundled[index]
+    if m.layout is not None:
+        from .packs import layout_to_pb  # packs builds on this module
+        layout_to_pb(v1, m.layout)
     return top.SerializeToString()
 
 
@@ -472,6 +499,21 @@ def decode_base_chunk(blob: bytes, expected: Fprint, max_db_size: int = DEFAULT_
     return decode_chunk(blob, expected, base_chunk_limit(max_db_size))
 
 
+def raw_manifest(blob: bytes, max_db_size: int = DEFAULT_MAX_DB_SIZE) -> bytes:
+    """The protobuf bytes of a manifest blob (zstd or raw), bounded as
+    `decode_and_validate` bounds them (rules 1 to 3), not parsed."""
+    limit = manifest_blob_limit(max_db_size)
+    if len(blob) > limit:
+        raise ManifestError("size-limit", "blob of %d bytes is larger than %d bytes, %s"
+                            % (len(blob), limit, _size_limit_detail(max_db_size)))
+    raw = _decompress_manifest(bytes(blob), limit, max_db_size)
+    if raw.startswith(ZSTD_MAGIC):
+        # Tried as raw protobuf, the magic reads as top-level field 5 with
+        # varint type, which a Manifest never has: this is a broken frame.
+        raise ManifestError("zstd", "zstd frame that does not decompress")
+    return raw
+
+
 def decode_and_validate(blob: bytes,
                         fetch_chunk: Optional[Callable[[Fprint], bytes]] = None, *,
                         max_db_size: int = DEFAULT_MAX_DB_SIZE) -> Manifest:
@@ -485,17 +527,7 @@ def decode_and_validate(blob: bytes,
     a `len` above `max_db_size` is refused with rule "size-limit", and the
     chunk count is checked against `len` before any per-chunk work.
     """
-    limit = manifest_blob_limit(max_db_size)
-    if len(blob) > limit:
-        raise ManifestError("size-limit", "blob of %d bytes is larger than %d bytes, %s"
-                            % (len(blob), limit, _size_limit_detail(max_db_size)))
-    raw = _decompress_manifest(bytes(blob), limit, max_db_size)
-    if raw.startswith(ZSTD_MAGIC):
-        # Tried as raw protobuf, the magic reads as top-level field 5 with
-        # varint type, which a Manifest never has: this is a broken frame.
-        raise ManifestError("zstd", "zstd frame that does not decompress")
-    top = _parse(raw)
-    del raw
+    top = _parse(raw_manifest(blob, max_db_size))
     if not top.HasField("v1"):
         raise ManifestError("v1-missing", "no ManifestV1 in the message")
     v1 = top.v1
@@ -535,6 +567,18 @@ def decode_and_validate(blob: bytes,
                  contents_fprint=contents, version_id=bytes(v1.version_id),
                  ctime=v1.ctime, ctime_ns=v1.ctime_ns, base_chunks_fprint=base_fp,
                  generated_by=bytes(v1.generated_by))
+    _take_bundled(v1, m)
+    if 0 in m.bundled and header_fprint_of(m.bundled[0]) != m.header_fprint:
+        raise ManifestError("header-fprint", "header_fprint does not match bytes [0, 100)")
+    from .packs import layout_from_pb  # packs builds on this module
+    m.layout = layout_from_pb(v1, len(chunks))
+    return m
+
+
+def _take_bundled(v1, m: Manifest) -> None:
+    """Check every bundled chunk of `v1` (docs/FORMAT.md, "Bundled chunks")
+    and put its bytes in `m.bundled`."""
+    chunks = m.chunks
     for b in v1.bundled_chunks:
         i = b.chunk_index
         if i >= len(chunks):
@@ -549,9 +593,6 @@ def decode_and_validate(blob: bytes,
         if fp != chunks[i] or (b.HasField("chunk_fprint") and _fp(b.chunk_fprint) != fp):
             raise ManifestError("bundled-chunk", "bundled chunk %d does not match its fingerprint" % i)
         m.bundled[i] = data
-    if 0 in m.bundled and header_fprint_of(m.bundled[0]) != m.header_fprint:
-        raise ManifestError("header-fprint", "header_fprint does not match bytes [0, 100)")
-    return m
 
 
 def snapshot_of(data, version_id: bytes = b"", ctime: int = 0, ctime_ns: int = 0,

@@ -50,7 +50,8 @@ time `history.parse_time` reads) in a database's directory is resolved on
 lookup only (never listed) to a pinned replica of the version current at that
 time (`past.PastStates`); an unknown database, a time no version is as old
 as, or a name that is not a time is ENOENT. Real entries win: a database
-whose own name holds an ``@`` is found as itself.
+whose own name holds an ``@`` is found as itself, also before a poll listed
+it (the name is looked up in the store first, as any unlisted name).
 
 Hydration (``hydrate``): each database's newest version is fetched into the
 disk cache in the background; one that could not fetch every chunk is tried
@@ -116,6 +117,11 @@ SQLITE_SIDE_FILES = ("-journal", "-wal", "-shm")
 # many (a scan of a directory for many random names), all are forgotten at
 # once, so the set stays small.
 ABSENT_NAMES_MAX = 10_000
+# Bounds of the end-to-end lag histograms, in seconds (a version's commit,
+# its manifest's ctime, to the moment new opens see it and to the moment an
+# open handle moves to it): the follow loop's half second and the copier's
+# pass are its usual share; a store outage or a slow copier shows past 10 s.
+LAG_BUCKETS_S = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
 # The listed mtime of a database found by name before any listing showed it:
 # no real mtime, so the next listing counts as a change (one more GET).
 UNLISTED_MTIME = -1.0
@@ -238,8 +244,12 @@ class Catalog:
         manifest_cache: ManifestCache | None = None,
         decoded_limit: int = DECODED_MANIFESTS,
         extra_stats: Callable[[], dict] | None = None,
+        subdir: str = "",
     ):
         self.fetcher = fetcher
+        # The directory of the whole tree (/<host>/<path...>) this catalog
+        # shows as its root, as components; [] for the whole tree.
+        self.subdir = [p for p in subdir.split("/") if p]
         self.refresh_interval = refresh_interval
         self.prefetch = prefetch or PrefetchConfig()
         self.hydrate = hydrate
@@ -260,7 +270,13 @@ class Catalog:
         self._bad: dict[str, tuple[int, float, float]] = {}
         self.last_poll = 0.0
         self.versions_seen = 0
-        self.counts = dict.fromkeys(("loads", "unparks", "parks", "stale", "direct_lookups", "direct_found"), 0)
+        self.counts = dict.fromkeys(("loads", "unparks", "parks", "stale", "direct_lookups", "direct_found",
+                                    "cache_dropped"), 0)
+        # Per database (manifest key), since the mount started: opens, and
+        # [reads, read bytes, preloaded bytes] of the versions no longer held
+        # (`_retire`); the stats add those of the versions held.
+        self._opens_total: dict[str, int] = {}
+        self._retired: dict[str, list[int]] = {}
         # Decoded versions, least recently used first (see `decoded_limit`).
         self._decoded: OrderedDict[int, Replica] = OrderedDict()
         # Loads under way, by inode: later lookups wait for the first.
@@ -271,6 +287,16 @@ class Catalog:
         # Keys found by name since the running poll began listing: that
         # listing may predate them, so it does not remove them.
         self._found_while_listing: set[str] = set()
+        # Called with a DbEntry when a new version of it is installed (the
+        # followers re-point or mark their inodes, see `follow.py`).
+        self.on_new_version: Callable[[DbEntry], None] | None = None
+        # Lag of new versions (`LAG_BUCKETS_S`): "visible" at install,
+        # "switched" when an open handle moves to one (`follow.py`).
+        self.lag = {"visible": metrics.Histogram(LAG_BUCKETS_S), "switched": metrics.Histogram(LAG_BUCKETS_S)}
+        # Handles open per database key, and when each was last opened
+        # (time.monotonic()): what the follow loop watches (`in_use`).
+        self._open_keys: dict[str, int] = {}
+        self._last_opened: dict[str, float] = {}
         self._hydrations: dict[str, _Hydration] = {}
         self._hydrate_slots = trio.Semaphore(HYDRATE_AT_ONCE)
         self._warned_cache_size = False
@@ -300,6 +326,18 @@ class Catalog:
         parent.mtime_ns = d.mtime_ns
         self.inodes[d.inode] = d
         return d
+
+    def add_node(self, make: Callable[[int], Any]) -> Any:
+        """A node of another module (a follower, `follow.py`), made by
+        ``make`` with a new inode of the tree and found by `get`."""
+        node = make(self._alloc())
+        self.inodes[node.inode] = node
+        return node
+
+    def drop_node(self, node: Any) -> None:
+        """Forget a node of `add_node`."""
+        if self.inodes.get(node.inode) is node:
+            del self.inodes[node.inode]
 
     def get(self, inode: int) -> Any:
         """What ``inode`` is: a Directory, a StatsFile, a Replica, a Parked
@@ -413,14 +451,41 @@ class Catalog:
 
     def opened(self, replica: Replica) -> None:
         replica.opens += 1
+        self._opens_total[replica.key] = self._opens_total.get(replica.key, 0) + 1
+        self._open_keys[replica.key] = self._open_keys.get(replica.key, 0) + 1
+        self._last_opened[replica.key] = time.monotonic()
         if replica.inode in self._decoded:
             self._decoded.move_to_end(replica.inode)
 
     def released(self, replica: Replica) -> None:
         replica.opens -= 1
+        left = self._open_keys.get(replica.key, 0) - 1
+        if left > 0:
+            self._open_keys[replica.key] = left
+        else:
+            self._open_keys.pop(replica.key, None)
         self._maybe_drop(replica)
         if replica.opens <= 0:
             self._trim()
+
+    def in_use(self, recent: float, limit: int) -> list[DbEntry]:
+        """At most ``limit`` databases of the tree, those with an open
+        handle first, then those opened within the last ``recent`` seconds,
+        the most recently opened first (past states excluded: their
+        versions never change)."""
+        now = time.monotonic()
+        for key, at in list(self._last_opened.items()):
+            if now - at > recent and key not in self._open_keys:
+                del self._last_opened[key]
+        keys = sorted(self._last_opened, key=lambda k: (k not in self._open_keys, -self._last_opened[k]))
+        out = []
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None:
+                out.append(entry)
+                if len(out) >= limit:
+                    break
+        return out
 
     def _is_current(self, node: Any) -> bool:
         entry = self.entries.get(node.key)
@@ -430,9 +495,20 @@ class Catalog:
         if node.lookups <= 0 and node.opens <= 0 and not self._is_current(node):
             if self.inodes.get(node.inode) is node:
                 del self.inodes[node.inode]
+                self._retire(node)
             self._decoded.pop(node.inode, None)
             if isinstance(node, Replica):
                 self.past.forget(node)
+
+    def _retire(self, node: Replica | Parked) -> None:
+        """A version leaves the catalog: its counters join its database's
+        running totals (`stats`' ``since_mount``), and start again from 0
+        should it come back (a past state held again)."""
+        total = self._retired.setdefault(node.key, [0, 0, 0])
+        total[0] += node.reads
+        total[1] += node.read_bytes
+        total[2] += node.preloaded
+        node.reads = node.read_bytes = node.preloaded = 0
 
     # ------------------------------------------------------- decoded versions
     def _keep_decoded(self, replica: Replica) -> None:
@@ -465,16 +541,10 @@ class Catalog:
         """Decode a parked version again (from the manifest cache, else the
         store); Stale when neither has that version any more."""
         self.counts["unparks"] += 1
-        blob = None
         cached = await self._cache_get(parked.key)
-        if cached is not None and cached.version == parked.version:
-            blob = cached.blob
         manifest = None
-        if blob is not None:
-            try:
-                manifest = await self.fetcher.decode_manifest(blob)
-            except (ManifestError, TooLarge) as e:
-                log.warning("manifest cache: %s does not decode (%s); read from the store", parked.path, e)
+        if cached is not None and cached.version == parked.version:
+            manifest = await self._decode_cached(parked.key, parked.path, cached.blob)
         if manifest is None:
             try:
                 blob = await self._fetch_blob(parked.key)
@@ -502,19 +572,23 @@ class Catalog:
         from the manifest cache when it holds the listed blob; install it as
         the entry's newest version. False when it is not valid."""
         self.counts["loads"] += 1
+        path = os.path.join(entry.parent.path, entry.name)
         cached = await self._cache_get(entry.key)
-        fetched_at = 0.0
+        manifest = None
         blob = None
+        fetched_at = 0.0
         if (cached is not None and (cached.size, cached.mtime) == (entry.size, entry.listed_mtime)
                 and cached.fetched_at - cached.mtime >= SETTLE_SECONDS):
-            blob, fetched_at = cached.blob, cached.fetched_at
+            manifest = await self._decode_cached(entry.key, path, cached.blob)
+            if manifest is not None:
+                blob, fetched_at = cached.blob, cached.fetched_at
         try:
-            if blob is None:
+            if manifest is None:
                 blob = await self._fetch_blob(entry.key)
                 fetched_at = self.clock()
-            manifest = await self.fetcher.decode_manifest(blob)
+                manifest = await self.fetcher.decode_manifest(blob)
         except NotFound:
-            log.info("database %s is gone from the store", os.path.join(entry.parent.path, entry.name))
+            log.info("database %s is gone from the store", path)
             self._remove(entry.key)
             return False
         except (ManifestError, TooLarge) as e:
@@ -530,6 +604,26 @@ class Catalog:
         self._install(entry, manifest, fetched_at)
         return True
 
+    async def offer(self, entry: DbEntry, blob: bytes, fetched_at: float) -> bool:
+        """A manifest blob of ``entry`` read outside a poll (the follow
+        loop's checks): installed through the same path as a poll's, a new
+        version unless it equals the current one. False when it does not
+        decode (logged, counted; the next poll decides about the entry) or
+        the entry left the tree meanwhile."""
+        try:
+            manifest = await self.fetcher.decode_manifest(blob)
+        except (ManifestError, TooLarge) as e:
+            self.poll_errors += 1
+            log.warning("cannot load manifest %s: %s", entry.key, e)
+            return False
+        if self.entries.get(entry.key) is not entry:
+            return False
+        await self._cache_put(entry, fetched_at, manifest, blob)
+        if self.entries.get(entry.key) is not entry:
+            return False
+        self._install(entry, manifest, fetched_at)
+        return True
+
     async def _fetch_blob(self, key: str) -> bytes:
         try:
             return await self.fetcher.get_manifest_blob(key)
@@ -537,6 +631,20 @@ class Catalog:
             raise
         except StoreError as e:
             raise FetchError("manifest %s: %s" % (key, e)) from None
+
+    async def _decode_cached(self, key: str, path: str, blob: bytes) -> Any:
+        """The manifest a blob of the manifest cache decodes to; None when
+        it does not (a damaged local copy, never the store's answer): the
+        entry is dropped and logged, and the caller asks the store."""
+        try:
+            return await self.fetcher.decode_manifest(blob)
+        except (ManifestError, TooLarge) as e:
+            self.counts["cache_dropped"] += 1
+            log.warning("manifest cache: the copy of %s does not decode (%s): dropped, read from the store",
+                        path, e)
+            assert self.manifest_cache is not None
+            await trio.to_thread.run_sync(self.manifest_cache.drop, key)
+            return None
 
     async def _cache_get(self, key: str) -> Cached | None:
         if self.manifest_cache is None:
@@ -554,14 +662,20 @@ class Catalog:
         GET): found, it joins the tree at once. Only in a host's directories,
         not for SQLite's own side files (a writer never replicates them,
         and a reader asks for them at every transaction), and once per name
-        between two polls."""
+        between two polls. A name with an ``@`` is looked up too, before
+        it may be read as a past state (a real database always wins): a
+        store failure then raises FetchError rather than let the past
+        state of another database answer."""
         parts = []
         node: Directory | None = parent
         while node is not None and node.parent is not None:
             parts.append(node.name)
             node = node.parent
         parts.reverse()
-        if not parts or parts[0] == CONTROL_DIR or name.endswith(SQLITE_SIDE_FILES) or "@" in name:
+        if (parts and parts[0] == CONTROL_DIR) or name.endswith(SQLITE_SIDE_FILES):
+            return None
+        parts = self.subdir + parts
+        if not parts:
             return None
         path = "/" + "/".join(parts[1:] + [name])
         key = key_of(parts[0], parts[1:] + [name])
@@ -581,6 +695,8 @@ class Catalog:
             return None
         except FetchError as e:
             log.warning("lookup of %s in the store: %s", path, e)
+            if "@" in name:
+                raise
             return None
         entry = self._add(key, len(blob), UNLISTED_MTIME)
         if entry is None:
@@ -600,15 +716,25 @@ class Catalog:
 
     # ----------------------------------------------------------------- refresh
     def _place(self, key: str) -> tuple[Directory, str] | None:
+        """The directory and name where `key` is shown, or None: outside
+        ``subdir`` (silently), or a key that cannot be shown (warned)."""
         where = display_path(key)
         if where is None:
+            if self.subdir:
+                return None
             other = self._mkdir(self._control, "other")
             return other, key
         host, parts = where
         if not parts:
             log.warning("manifest %s names no file; skipped", key)
             return None
-        d = self._mkdir(self.root, host)
+        parts = [host] + parts
+        if self.subdir:
+            n = len(self.subdir)
+            if parts[:n] != self.subdir or len(parts) == n or parts[n] == CONTROL_DIR:
+                return None
+            parts = parts[n:]
+        d = self.root
         for part in parts[:-1]:
             node = d.entries.get(part)
             if isinstance(node, DbEntry):
@@ -811,12 +937,15 @@ class Catalog:
             entry.inode = inode
             self._maybe_drop(old)
             log.info("new version of %s (%d bytes, version %s)", replica.path, replica.size, replica.version[:16])
+            self.lag["visible"].observe(max(0.0, self.clock() - replica.mtime_ns / 1e9))
             if self.on_invalidate is not None:
                 self.on_invalidate(parent.inode, name)
             parent.mtime_ns = time.time_ns()
             if self.hydrate and self._nursery is not None:
                 self._start_hydration(entry.key)
         self._keep_decoded(replica)
+        if old is not None and self.on_new_version is not None:
+            self.on_new_version(entry)
 
     def _remove(self, key: str) -> None:
         entry = self.entries.pop(key, None)
@@ -871,7 +1000,8 @@ class Catalog:
                         if not isinstance(replica, Replica):
                             return
                         h.version = version = replica.version
-                        n = await self.fetcher.hydrate(replica.all_remote_chunks(), progress=h.progress)
+                        fps, sources = replica.all_remote_chunks()
+                        n = await self.fetcher.hydrate(fps, progress=h.progress, sources=sources)
                         h.state = "done"
                         log.info("hydrated %s: %d chunks in %.1fs", replica.path, n, time.monotonic() - start)
                     except Exception as e:  # noqa: BLE001 - hydration is best effort
@@ -913,19 +1043,33 @@ class Catalog:
         under hydration: a mount of 100,000 databases renders its stats in
         milliseconds, not seconds."""
         old_open: dict[str, int] = {}
+        held: dict[str, list[int]] = {}  # reads, read bytes, preloaded bytes of the versions held
         for node in self.inodes.values():
-            if isinstance(node, (Replica, Parked)) and not self._is_current(node):
-                old_open[node.key] = old_open.get(node.key, 0) + 1
+            if isinstance(node, (Replica, Parked)):
+                counts = held.setdefault(node.key, [0, 0, 0])
+                counts[0] += node.reads
+                counts[1] += node.read_bytes
+                counts[2] += node.preloaded
+                if not self._is_current(node):
+                    old_open[node.key] = old_open.get(node.key, 0) + 1
+        served: dict[str, list[Replica]] = {}
+        for replica in self._decoded.values():
+            if replica.opens > 0:
+                served.setdefault(replica.key, []).append(replica)
         dbs = {}
         for entry in self.entries.values():
             h = self._hydrations.get(entry.key)
             if isinstance(entry.current, Replica):
                 d = entry.current.describe()
-            elif h is not None:  # hydrated, queued for it, or parked since
+            elif h is not None or entry.key in served:  # hydrated, queued for it, parked since, or open
                 d = {"path": os.path.join(entry.parent.path, entry.name), "key": entry.key}
             else:  # known by name, or parked: counted in "catalog" only
                 continue
             d["old_versions_open"] = old_open.get(entry.key, 0)
+            totals = [a + b for a, b in zip(held.get(entry.key, (0, 0, 0)), self._retired.get(entry.key, (0, 0, 0)))]
+            d["since_mount"] = {"opens": self._opens_total.get(entry.key, 0), "reads": totals[0],
+                                "read_bytes": totals[1], "preloaded": totals[2]}
+            d.update(self._versions_served(entry, served.get(entry.key, [])))
             if h is not None:
                 d["hydration"] = h.describe()
             dbs[d["path"]] = d
@@ -951,15 +1095,44 @@ class Catalog:
             out.update(self.extra_stats())
         return out
 
+    def _versions_served(self, entry: DbEntry, open_versions: list[Replica]) -> dict:
+        """What a database's open handles read against its newest version:
+        the versions served (how many handles each, and the age of each:
+        now minus its commit time, the manifest's ctime), the newest's age."""
+        now = self.clock()
+        current = entry.current
+
+        def age(mtime_ns: int) -> float:
+            return round(max(0.0, now - mtime_ns / 1e9), 3)
+
+        rows = [{"version": r.version, "handles": r.opens, "age_s": age(r.mtime_ns)}
+                for r in sorted(open_versions, key=lambda r: r.mtime_ns)]
+        behind = sum(r.opens for r in open_versions if r is not current)
+        return {"newest_age_s": age(current.mtime_ns) if current is not None else 0.0,
+                "handles": sum(r.opens for r in open_versions), "handles_behind": behind,
+                "served": rows, "oldest_served_age_s": rows[0]["age_s"] if rows else 0.0}
+
     def render_stats(self) -> bytes:
         return (json.dumps(self.stats(), indent=1, sort_keys=True) + "\n").encode()
 
     def render_metrics(self) -> bytes:
-        """`stats` in Prometheus' text format: one series per number, the
-        databases labelled by path, ``verneuil_mount_info`` naming the mount."""
+        """`stats` in Prometheus' text format (`metrics.MOUNT_SERIES`), the
+        databases labelled by host and source path; ``verneuil_mount_info``
+        names the mount, ``verneuil_mount_settings_info`` holds its settings."""
         stats = self.stats()
         mount = stats.get("mount", {})
-        info = {"version": __version__, "source": str(mount.get("source", "")),
-                "mountpoint": str(mount.get("mountpoint", ""))}
-        return metrics.render(metrics.families("verneuil", stats, metrics.MOUNT_GAUGES,
-                                               {"databases": "path"}, ("mount", info)))
+        info = {"version": __version__, "source": mount.get("source"), "mountpoint": mount.get("mountpoint"),
+                "pid": mount.get("pid"), "cache_dir": mount.get("cache_dir")}
+        store = stats["fetch"]["store"]
+        follow = stats.get("follow", {})
+        settings = {"refresh_interval_seconds": self.refresh_interval, "deadline_seconds": store["deadline"],
+                    "max_db_size_bytes": store["max_db_size"], "decoded_limit": self.decoded_limit,
+                    "disk_cache_limit_bytes": stats["fetch"].get("disk_cache", {}).get("limit", 0),
+                    "follow": follow.get("enabled"), "follow_interval_seconds": follow.get("interval")}
+        labels = {"databases": lambda path, d: metrics.database_labels(d.get("key", ""), path)}
+        lag = metrics.histogram_family(
+            "verneuil_follow_lag_seconds", "commit (the manifest's ctime) to a version visible to new opens "
+            "(event=visible) or read by an open handle that moved to it (event=switched)", "event", self.lag)
+        return metrics.render([metrics.info_family("verneuil_mount_info", "what this mount is", info),
+                               metrics.info_family("verneuil_mount_settings_info", "the mount's settings", settings)]
+                              + metrics.families(stats, metrics.MOUNT_SERIES, labels) + [lag])

@@ -36,7 +36,12 @@ thread, outside the GIL, and hands their answers back in batches (one
 wake-up of trio per batch) to `engine_answered`; a read request waits for
 all its chunks on one Event (`_Waiter`). Anything else runs in a task
 (`_fly`): a chunk the disk cache may hold, a directory store's GETs in
-threads, hydration, and the retries of a GET that failed on the engine.
+threads, hydration, the retries of a GET that failed on the engine, and a
+chunk of a packed store (docs/FORMAT.md, "Packed layout"), whose flight
+carries its `ChunkSource` (a byte range of a pack, given by the replica)
+and is read by `store.read_chunk` with a range GET, verified and cached
+like any chunk (one range GET per chunk: runs of adjacent chunks in one GET
+are for the engine path to do).
 """
 from __future__ import annotations
 
@@ -51,19 +56,19 @@ import trio
 
 from verneuil_fuse.format import (
     DEFAULT_MAX_DB_SIZE,
-    MAX_CHUNK_BLOB_BYTES,
     ChunkError,
+    ChunkSource,
     Fprint,
     base_chunk_blob_limit,
     chunk_name,
     decode_and_validate,
     decode_base_chunk,
-    decode_chunk,
     manifest_blob_limit,
 )
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache, MemoryLRU
 from verneuil_fuse.reader.flights import DONE, TASK, EnginePath, Flight, store_chunk
-from verneuil_fuse.store import NotFound, StoreError, TooLarge
+from verneuil_fuse.reader.throttle import AdaptiveLimit, is_congestion
+from verneuil_fuse.store import NotFound, StoreError, TooLarge, read_chunk
 from verneuil_fuse.store.retry import Backoff, retry, retry_async
 
 log = logging.getLogger(__name__)
@@ -92,8 +97,15 @@ CACHE_THREADS = 8
 # Blocking metadata calls at once (listings, manifest GETs and decodes):
 # a poll or a few lookups, not a scan's worth.
 META_THREADS = 4
-# Retries of a GET wait ``backoff`` seconds, then twice as long ... (no
-# jitter: a read waits for them, and the deadline bounds them) ...
+# Conditional manifest reads at once (`get_manifest_if_changed`, the follow
+# loop's checks of open databases): threads of their own, so that a pass
+# over many databases never holds up a lookup's manifest GET; 4 keep a
+# pass of 64 checks of 30 ms each within half a second.
+CHECK_THREADS = 4
+# Retries of a GET wait up to ``backoff`` seconds, then up to twice as long
+# ... ("full jitter": a random time below that bound, so that the GETs a
+# store refused together do not come back together; the deadline bounds
+# them) ...
 DEFAULT_BACKOFF = 0.05
 # ... but never more than this between two attempts.
 BACKOFF_CAP = 2.0
@@ -129,6 +141,7 @@ STAT_NAMES = (
     "lists",
     "too_large",  # objects larger than their bound, never read
     "failed_fast",  # demand reads answered from a recent give-up
+    "prefetch_throttled",  # prefetch hints dropped while the store throttles
 )
 
 # A chunk fetched for a read stays in memory at least this long and among the
@@ -167,10 +180,16 @@ def _worth_retrying(error: BaseException) -> bool:
     return isinstance(error, _GET_FAILURES) and not isinstance(error, TooLarge)
 
 
-def _get_and_decode(backend: Any, name: str, fp: Fprint) -> tuple[int, bytes]:
-    """GET and verify one chunk in a worker thread: (blob size, bytes)."""
-    blob = backend.get(name, max_bytes=MAX_CHUNK_BLOB_BYTES)
-    return len(blob), decode_chunk(blob, fp)
+def _get_and_decode(backend: Any, source: ChunkSource, fp: Fprint) -> tuple[int, bytes]:
+    """GET (a whole chunk object, or a range of a pack) and verify one chunk
+    in a worker thread: (blob size, bytes)."""
+    return read_chunk(backend, source, fp)
+
+
+def _source_of(sources: Any, k: int) -> ChunkSource | None:
+    """The k-th of ``sources`` (a list parallel to the fingerprints a
+    replica passes), or None (Verneuil's layout: a chunk object)."""
+    return None if sources is None else sources[k]
 
 
 class FetchError(Exception):
@@ -238,8 +257,10 @@ class Fetcher:
         if concurrency is None:
             threads = not callable(getattr(self.store.chunks, "direct_gets", None))
             concurrency = DEFAULT_THREAD_CONCURRENCY if threads else DEFAULT_CONCURRENCY
-        # Store I/O (GET + decode in one thread hop).
+        # Store I/O (GET + decode in one thread hop), its size adapting to the
+        # store's throttling (`throttle.AdaptiveLimit`).
         self.io_limiter = trio.CapacityLimiter(concurrency)
+        self.limit = AdaptiveLimit(self.io_limiter)
         # Prefetches hold one of these while they fetch: demand keeps the rest.
         if prefetch_concurrency is None:
             prefetch_concurrency = max(1, concurrency * 3 // 4)
@@ -248,6 +269,7 @@ class Fetcher:
         self.thread_limiter = trio.CapacityLimiter(concurrency * 2)
         self.cache_limiter = trio.CapacityLimiter(CACHE_THREADS)
         self.meta_limiter = trio.CapacityLimiter(META_THREADS)
+        self.check_limiter = trio.CapacityLimiter(CHECK_THREADS)
 
     def _init_flights(self) -> None:
         self._inflight: dict[Fprint, Flight] = {}
@@ -274,7 +296,7 @@ class Fetcher:
 
     def _retry_schedule(self) -> Backoff:
         """The waits between a GET's attempts (`store.retry`)."""
-        return Backoff(base=self.backoff, cap=BACKOFF_CAP, attempts=self.retries + 1, jitter=False)
+        return Backoff(base=self.backoff, cap=BACKOFF_CAP, attempts=self.retries + 1)
 
     # ------------------------------------------------------------------ setup
     def bind(self, nursery: trio.Nursery, writes: trio.Nursery | None = None) -> None:
@@ -304,6 +326,17 @@ class Fetcher:
         try:
             return await self.run_blocking(
                 functools.partial(self.store.manifests.get, key, max_bytes=self.manifest_limit))
+        except TooLarge:
+            self.stats["too_large"] += 1
+            raise
+
+    async def get_manifest_if_changed(self, key: str, tag: str | None):
+        """`Backend.get_if_changed` of a manifest (a `Tagged` blob, or None
+        while the key holds the version `tag` names), bounded as
+        `get_manifest_blob`, in a thread behind `CHECK_THREADS`."""
+        call = functools.partial(self.store.manifests.get_if_changed, key, tag, max_bytes=self.manifest_limit)
+        try:
+            return await trio.to_thread.run_sync(call, limiter=self.check_limiter, abandon_on_cancel=True)
         except TooLarge:
             self.stats["too_large"] += 1
             raise
@@ -384,17 +417,19 @@ class Fetcher:
         data = self.get_nowait(fp)
         return data if data is not None else await self.get_waiting(fp)
 
-    async def get_waiting(self, fp: Fprint) -> bytes:
+    async def get_waiting(self, fp: Fprint, source: ChunkSource | None = None) -> bytes:
         """A demand read for a chunk `get_nowait` did not have: join or start
-        its flight (disk cache in a thread, else the store)."""
-        got = self._join(fp)
+        its flight (disk cache in a thread, else the store). ``source``:
+        where the chunk is in a packed store (`format.chunk_source`); None:
+        its own chunk object."""
+        got = self._join(fp, source)
         if not isinstance(got, Flight):
             return got
         self._engine.pump()
         await self._wait([got])
         return self._result(got)
 
-    def _join(self, fp: Fprint) -> bytes | Flight:
+    def _join(self, fp: Fprint, source: ChunkSource | None = None) -> bytes | Flight:
         """A demand read's chunk: its bytes if they arrived meanwhile, else
         its flight, joined (a prefetch's is promoted) or started (not
         submitted: `EnginePath.pump`). Raises FetchError for a chunk given up on less
@@ -417,7 +452,7 @@ class Fetcher:
                 self.stats["failed_fast"] += 1
                 raise failed[1]
             del self._failed[fp]
-        return self._start(fp, prefetch=False)
+        return self._start(fp, prefetch=False, source=source)
 
     def _promote(self, flight: Flight) -> None:
         """A demand read joined a prefetch: it no longer waits for a
@@ -449,9 +484,11 @@ class Fetcher:
         self._used(flight.fp)
         return flight.data
 
-    async def read_into(self, fps: list[Fprint], dests: list[memoryview]) -> None:
+    async def read_into(self, fps: list[Fprint], dests: list[memoryview],
+                        sources: list[ChunkSource] | None = None) -> None:
         """Fill ``dests[k]`` (a writable view of the chunk's length) with the
-        verified bytes of ``fps[k]``, for the chunks of one read request.
+        verified bytes of ``fps[k]``, for the chunks of one read request;
+        ``sources[k]``, when given, is where the chunk is in a packed store.
 
         Chunks in the disk cache are read straight into the destinations, in
         as few system calls as their places in the segments allow, in this
@@ -492,9 +529,10 @@ class Fetcher:
         if not missing:
             return
         stats["requests"] -= len(missing)  # `_join` counts them
-        await self._read_missing(fps, dests, missing)
+        await self._read_missing(fps, dests, missing, sources)
 
-    async def _read_missing(self, fps: list[Fprint], dests: list[memoryview], missing: list[int]) -> None:
+    async def _read_missing(self, fps: list[Fprint], dests: list[memoryview], missing: list[int],
+                            sources: list[ChunkSource] | None = None) -> None:
         """`read_into` for the chunks ``missing`` (positions): flights joined
         or started, one wait for all, then the bytes copied; the first error,
         once all are done."""
@@ -502,7 +540,7 @@ class Fetcher:
         waiting: list[tuple[int, Flight]] = []
         for k in missing:
             try:
-                got = self._join(fps[k])
+                got = self._join(fps[k], _source_of(sources, k))
             except FetchError as e:
                 errors.append(e)
                 continue
@@ -532,16 +570,19 @@ class Fetcher:
         else:
             dest[:] = data
 
-    def prefetch(self, fps: Iterable[Fprint], *, fetch: bool = True, advise: bool = True) -> int:
+    def prefetch(self, fps: Iterable[Fprint], *, fetch: bool = True, advise: bool = True,
+                 sources: list[ChunkSource] | None = None) -> int:
         """Start fetching chunks in the background, skipping those in memory
         or under way; for chunks in the disk cache, ask the kernel to read
         them into its page cache instead (no GET, no thread per chunk).
         ``fetch=False`` only advises the cached chunks, ``advise=False`` only
-        fetches the others. Returns how many flights (GETs) were started."""
+        fetches the others; ``sources`` as for `read_into`. Returns how many
+        flights (GETs) were started."""
         started = 0
         to_advise: list[Fprint] = []
         cache = self.cache
-        for fp in fps:
+        paused = fetch and self.limit.paused  # the store throttles: its GETs go to demand reads
+        for k, fp in enumerate(fps):
             if fp in self.mem or fp in self._inflight:
                 if fetch:
                     self.stats["prefetch_requested"] += 1
@@ -554,10 +595,13 @@ class Fetcher:
             if not fetch:
                 continue
             self.stats["prefetch_requested"] += 1
+            if paused:
+                self.stats["prefetch_throttled"] += 1
+                continue
             if self._prefetch_flights >= self.max_prefetch_flights:
                 self.stats["prefetch_dropped"] += 1
                 continue
-            self._start(fp, prefetch=True)
+            self._start(fp, prefetch=True, source=_source_of(sources, k))
             started += 1
         self.stats["prefetch_started"] += started
         if started:
@@ -590,14 +634,17 @@ class Fetcher:
             self._advising = False
 
     async def hydrate(self, fps: Iterable[Fprint], parallel: int | None = None,
-                      progress: HydrateProgress | None = None) -> int:
+                      progress: HydrateProgress | None = None,
+                      sources: list[ChunkSource] | None = None) -> int:
         """Make sure every chunk is in the disk cache (eager hydration),
-        counting in ``progress`` as it goes. Returns the number of chunks
-        that were fetched or checked; raises FetchError, once all were tried,
-        if some could not be fetched."""
+        counting in ``progress`` as it goes; ``sources`` as for `read_into`.
+        Returns the number of chunks that were fetched or checked; raises
+        FetchError, once all were tried, if some could not be fetched."""
         progress = progress if progress is not None else HydrateProgress()
         parallel = parallel or self.prefetch_slots.total_tokens
         sem = trio.Semaphore(parallel)
+        fps = list(fps)
+        where = dict(zip(fps, sources)) if sources is not None else {}
         todo = [fp for fp in dict.fromkeys(fps)
                 if fp not in self.mem and not (self.cache is not None and self.cache.has_indexed(fp))]
         progress.chunks = len(todo)
@@ -628,7 +675,8 @@ class Fetcher:
                         slot, slots[k] = slots[k], None
                         flight = self._inflight.get(fp)
                         if flight is None and not (cache is not None and cache.has_indexed(fp)):
-                            flight = self._start(fp, prefetch=True, hydrate=True, slot=slot)
+                            flight = self._start(fp, prefetch=True, hydrate=True, slot=slot,
+                                                 source=where.get(fp))
                         elif slot is not None:
                             slot.abandon()
                         if flight is None:  # cached meanwhile
@@ -646,11 +694,14 @@ class Fetcher:
         return len(todo)
 
     # ---------------------------------------------------------------- flights
-    def _start(self, fp: Fprint, prefetch: bool, hydrate: bool = False, slot: Any = _RESERVE) -> Flight:
+    def _start(self, fp: Fprint, prefetch: bool, hydrate: bool = False, slot: Any = _RESERVE,
+               source: ChunkSource | None = None) -> Flight:
         """Start the flight of one chunk; ``slot``: its place in the disk
-        cache, taken here unless given. A GET the chunk engine can make is
-        queued for `EnginePath.pump` (the caller calls it once its flights
-        are started); anything else runs in a task (`_fly`)."""
+        cache, taken here unless given; ``source``: where the chunk is in a
+        packed store (None: its own chunk object). A GET the chunk engine can
+        make (a whole chunk object) is queued for `EnginePath.pump` (the
+        caller calls it once its flights are started); anything else runs in
+        a task (`_fly`): a range of a pack too, read by `read_chunk`."""
         if self._nursery is None:
             raise RuntimeError("Fetcher.bind(nursery) was not called")
         # The chunk's place in the disk cache is taken now, in the order
@@ -660,11 +711,12 @@ class Fetcher:
         cache = self.cache
         if slot is _RESERVE:
             slot = cache.reserve() if cache is not None and not cache.has_indexed(fp) else None
-        flight = Flight(fp, prefetch, slot)
+        flight = Flight(fp, prefetch, slot, source)
         self._inflight[fp] = flight
         if prefetch:
             self._prefetch_flights += 1
-        if hydrate or not self._engine.available or (cache is not None and cache.might_have(fp)):
+        ranged = source is not None and source.ranged
+        if hydrate or ranged or not self._engine.available or (cache is not None and cache.might_have(fp)):
             self._nursery.start_soon(self._fly, flight, hydrate)
         else:
             self._engine.queue(flight)
@@ -803,6 +855,7 @@ class Fetcher:
         then FetchError. ``failed``: attempts already made on the engine path
         (whose deadline started then), ``last`` the error of the last."""
         name = chunk_name(fp)
+        source = flight.source if flight.source is not None else ChunkSource(name)
         if not failed:
             flight.deadline = trio.current_time() + self.deadline
         attempts = failed
@@ -811,14 +864,20 @@ class Fetcher:
             nonlocal attempts, last
             attempts += 1
             try:
-                return await self._get_once(fp, name, attempts)
+                return await self._get_once(fp, name, attempts, source)
             except _GET_FAILURES as e:
                 last = e
                 raise
 
         async def sleep(delay: float) -> None:
             self.stats["retries"] += 1
-            await trio.sleep(delay)
+            if last is not None and is_congestion(last):
+                try:
+                    await self.limit.hold(delay)  # a throttled GET's wait takes a GET's place
+                finally:
+                    self._engine.pump()  # the place given back may let a queued flight go
+            else:
+                await trio.sleep(delay)
 
         with trio.move_on_at(flight.deadline) as deadline:
             try:
@@ -831,11 +890,12 @@ class Fetcher:
                                 % (self.deadline, last or "none"))
         raise self._gave_up(name, attempts, last)
 
-    async def _get_once(self, fp: Fprint, name: str, attempt: int) -> bytes:
+    async def _get_once(self, fp: Fprint, name: str, attempt: int, source: ChunkSource) -> bytes:
         """One attempt of `_download`, counted: on the chunk engine if there
-        is an engine path (its request has ``timeout`` as its own bound), else in a
-        worker thread abandoned after ``timeout``. Raises one of
-        `_GET_FAILURES` (a timeout as TimeoutError)."""
+        is an engine path and ``source`` is a whole chunk object (its request
+        has ``timeout`` as its own bound), else in a worker thread abandoned
+        after ``timeout``. Raises one of `_GET_FAILURES` (a timeout as
+        TimeoutError)."""
         backend = self.store.chunks
         start = time.monotonic()
         try:
@@ -845,23 +905,26 @@ class Fetcher:
                 await self.io_limiter.acquire()
             try:
                 self.stats["gets"] += 1
-                answer = await self._engine.get_one(fp)
+                answer = None if source.ranged else await self._engine.get_one(fp)
                 if answer is None:
                     with trio.fail_after(self.timeout):
-                        answer = await trio.to_thread.run_sync(_get_and_decode, backend, name, fp,
+                        answer = await trio.to_thread.run_sync(_get_and_decode, backend, source, fp,
                                                                abandon_on_cancel=True, limiter=self.thread_limiter)
             finally:
                 self.io_limiter.release()
+                self._engine.pump()  # flights queued for the engine may go now
         except trio.TooSlowError:
             error: BaseException = TimeoutError("GET %s timed out after %.1fs" % (name, self.timeout))
         except _GET_FAILURES as e:
             error = e
         else:
             size, data = answer
+            self.limit.answered(None)
             self.stats["get_bytes"] += size
             log.debug("GET %s: %d bytes in %.3fs", name, size, time.monotonic() - start)
             self._store_answered()
             return data
+        self.limit.answered(error)
         self._count_get_error(name, error, attempt, time.monotonic() - start)
         raise error
 
@@ -893,6 +956,7 @@ class Fetcher:
         slots given back). Bytes finish the flight; an error worth a retry
         hands it to a task (`_fly`), any other (or the last) fails it."""
         name = chunk_name(flight.fp)
+        self.limit.answered(result if isinstance(result, BaseException) else None)
         if not isinstance(result, BaseException):
             self.stats["get_bytes"] += size
             self._store_answered()
@@ -958,6 +1022,11 @@ class Fetcher:
             "deadline": self.deadline,
             "max_db_size": self.max_db_size,
         }
+        keeper = getattr(self.store.chunks, "credentials", None)
+        if keeper is not None:
+            out["store"]["credentials"] = keeper.describe()
+        out["engine_path"] = self._engine.available
+        out["throttle"] = self.limit.describe()
         if self.cache is not None:
             out["disk_cache"] = self.cache.describe()
         return out

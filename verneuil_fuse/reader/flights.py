@@ -21,9 +21,13 @@ signing: S3's `direct_gets`) without a task or an Event per chunk:
   the fetcher (`FlightOwner.engine_answered`) and pumps again;
 - a demand flight still queued at its deadline (a store that holds every
   slot without answering) is handed back as expired (`queue_expired`);
-- a backend that gives no engine path (no credentials for it, a bucket
-  that answers from another region) turns the path off, and its flights,
-  the queued ones included, run in tasks (`run_in_task`).
+- a backend that gives no engine path (a client that cannot sign SigV4,
+  a bucket that answers from another region) turns the path off, and its
+  flights, the queued ones included, run in tasks (`run_in_task`); one that
+  has no credentials at the moment (a refresh failing or under way:
+  `direct_gets` raises a StoreError) fails the GETs of that submission
+  with it, retried as any failed GET, and the path stays: it serves again
+  as soon as the credentials are back.
 
 `get_one` is the same path for one GET a task waits for (a retry), without
 a cache write: the task's own writer stores the bytes.
@@ -36,9 +40,10 @@ from typing import Any, Protocol
 
 import trio
 
-from verneuil_fuse.format import MAX_CHUNK_BLOB_BYTES, Fprint, chunk_mismatch, chunk_name
+from verneuil_fuse.format import MAX_CHUNK_BLOB_BYTES, ChunkSource, Fprint, chunk_mismatch, chunk_name
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache
 from verneuil_fuse.reader.chunk_engine import ChunkEngine, Outcome
+from verneuil_fuse.store import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +69,12 @@ class Flight:
     (`Fetcher._finish`)."""
 
     __slots__ = ("fp", "state", "data", "error", "prefetch", "promoted", "slot", "waiters", "wait_scope",
-                 "deadline", "holds_prefetch_slot")
+                 "deadline", "holds_prefetch_slot", "source")
 
-    def __init__(self, fp: Fprint, prefetch: bool, slot: CacheSlot | None = None):
+    def __init__(self, fp: Fprint, prefetch: bool, slot: CacheSlot | None = None,
+                 source: ChunkSource | None = None):
         self.fp = fp
+        self.source = source  # a packed store's `format.ChunkSource`; None: the chunk's own object
         self.state = TASK
         self.slot = slot  # where the disk cache will put the bytes (`ChunkCache.reserve`)
         self.data: bytes | None = None
@@ -238,7 +245,8 @@ class EnginePath:
     def _ready(self) -> tuple[ChunkEngine, Any] | None:
         """The engine, set up to send the backend's GETs as they are to be
         sent now, and the backend's `direct_gets`; None: no engine path
-        (turned off here)."""
+        (turned off here). A StoreError: none of them can be sent now (no
+        credentials at the moment), the path stays."""
         gets = None if self._off else self._backend.direct_gets()
         if gets is not None and self._engine is None:
             try:
@@ -261,7 +269,13 @@ class EnginePath:
         GET slot); without an engine path the flights go to tasks, those
         still queued too."""
         owner = self._owner
-        ready = self._ready()
+        try:
+            ready = self._ready()
+        except StoreError as e:  # no credentials now: these GETs fail (and are retried)
+            for flight in batch:
+                self._release_slots(flight)
+                owner.engine_answered(flight, e, 0, False)
+            return
         if ready is not None:
             engine, gets = ready
             now = trio.current_time()

@@ -11,7 +11,9 @@ It is a `diskcache.Cache` (SQLite index, bounded, safe across processes) in
 key and hold what the store's listing said of the blob (size, mtime), when it
 was fetched, the version it decodes to (its contents fingerprint, hex) and
 the blob itself, exactly as the store gave it: it is decoded and validated
-again on every use, like a blob from the store.
+again on every use, like a blob from the store: one that does not decode
+(a crash with delayed allocation leaves zeroed blocks) is dropped
+(`drop`) and the store asked again, never taken for the store's answer.
 
 Every method is blocking (a SQLite transaction, a file read): the catalog
 calls them from a worker thread. Errors of the cache (a full or broken disk)
@@ -47,6 +49,15 @@ class Cached(NamedTuple):
     blob: bytes
 
 
+def _well_formed(value: object) -> bool:
+    """Whether a cached value has the shape of a `Cached` record."""
+    if not isinstance(value, tuple) or len(value) != len(Cached._fields):
+        return False
+    size, mtime, fetched_at, version, blob = value
+    return (isinstance(size, int) and isinstance(mtime, (int, float)) and isinstance(fetched_at, (int, float))
+            and isinstance(version, str) and isinstance(blob, bytes))
+
+
 class ManifestCache:
     """Manifest blobs of one store, on disk, bounded (see module docstring)."""
 
@@ -64,13 +75,30 @@ class ManifestCache:
             value = self._cache.get((self.store_id, key))
         except Exception as e:  # noqa: BLE001 - a broken cache is a miss
             self.errors += 1
-            log.warning("manifest cache %s: cannot read %s: %s", self.directory, key, e)
+            log.warning("manifest cache %s: cannot read %s (%s): dropped, read from the store",
+                        self.directory, key, e)
+            self.drop(key)
             return None
-        if not isinstance(value, tuple) or len(value) != len(Cached._fields):
+        if value is None:
             self.misses += 1
+            return None
+        if not _well_formed(value):
+            self.errors += 1
+            log.warning("manifest cache %s: the entry of %s is damaged: dropped, read from the store",
+                        self.directory, key)
+            self.drop(key)
             return None
         self.hits += 1
         return Cached(*value)
+
+    def drop(self, key: str) -> None:
+        """Delete the entry of ``key`` (a damaged one): the store is asked
+        next time."""
+        try:
+            self._cache.delete((self.store_id, key))
+        except Exception as e:  # noqa: BLE001 - the store stays the source
+            self.errors += 1
+            log.warning("manifest cache %s: cannot drop %s: %s", self.directory, key, e)
 
     def put(self, key: str, entry: Cached) -> None:
         try:

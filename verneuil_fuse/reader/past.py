@@ -2,9 +2,10 @@
 lookup to a pinned replica of the version current at that time.
 
 `PastStates.resolve(key, path, at_ns)` lists the versions of the manifest
-`key` in the store (`Backend.list_versions`), finds the newest whose time is
-at or before `at_ns` (`history.newest_at_async`: the newest version first,
-then a binary search, each step one manifest GET + decode) and returns a
+`key` in the store (`Backend.list_versions`), finds the newest, in the
+store's order, whose time is at or before `at_ns` (`history.newest_at_async`:
+the newest version first, then back through the history, several manifest
+GETs + decodes at a time, each version's time read once) and returns a
 `Replica` of it: its bytes never change, and it reads through the mount's one
 `Fetcher`, so it shares the chunk cache (memory and disk) with the live file.
 The same version gets the same replica (and inode) for as long as the kernel
@@ -118,14 +119,22 @@ class PastStates:
         infos = await self._listing(key, live)
         manifests: dict[int, Any] = {}
 
-        async def time_of(index: int) -> int:
-            cached = self._times.get((key, infos[index].version_id))
-            if cached is not None:
-                return cached
-            t, manifests[index] = await self._load(key, infos[index])
-            return t
+        async def times_of(indices: list[int]) -> list[int]:
+            times: dict[int, int] = {}
 
-        index = await newest_at_async(len(infos), at_ns, time_of)
+            async def one(index: int) -> None:
+                cached = self._times.get((key, infos[index].version_id))
+                if cached is not None:
+                    times[index] = cached
+                else:
+                    times[index], manifests[index] = await self._load(key, infos[index])
+
+            async with trio.open_nursery() as nursery:
+                for index in indices:
+                    nursery.start_soon(one, index)
+            return [times[index] for index in indices]
+
+        index = await newest_at_async(len(infos), at_ns, times_of)
         if index is None:
             log.info("%s: no version as old as %s", path, format_time(at_ns))
             return None

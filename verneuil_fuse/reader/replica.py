@@ -1,10 +1,12 @@
 """One replicated database at one manifest version: reads and prefetch hints.
 
 A `Replica` never changes: a new manifest for the same database is a new
-`Replica` (and a new inode), so an open handle keeps reading the bytes of the
-version it opened. Reads assemble the verified chunks that cover the range:
+`Replica` (and a new inode), so a handle reading it reads the bytes of one
+version (a follower's handle moves to another `Replica` only at offset 0,
+`follow.py`). Reads assemble the verified chunks that cover the range:
 bundled chunks (in the manifest) and the zero chunk are served without any
-fetch; everything else comes from the `Fetcher`.
+fetch; everything else comes from the `Fetcher`, told where each chunk is
+when the manifest is of the packed layout (`format.chunk_source`).
 
 Prefetch is only a hint (it never decides which bytes are served): each read
 hands its position to the policies of `prefetch.py` that apply (sequential
@@ -13,7 +15,7 @@ chunks they name to the fetcher, which skips those cached or under way.
 """
 from __future__ import annotations
 
-from verneuil_fuse.format import CHUNK_SIZE, ZERO_CHUNK_FPRINT, Fprint, Manifest
+from verneuil_fuse.format import CHUNK_SIZE, ZERO_CHUNK_FPRINT, ChunkSource, Fprint, Manifest, chunk_source
 from verneuil_fuse.reader.fetcher import FetchError, Fetcher
 from verneuil_fuse.reader.prefetch import BtreeReadahead, Cursor, Hints, PrefetchConfig, SequentialReadahead
 
@@ -46,6 +48,7 @@ class Replica:
         self.prefetch_config = prefetch or PrefetchConfig()
         self.version = manifest.contents_fprint.hex()
         self.nchunks = len(manifest.chunks)
+        self.packed = manifest.layout is not None
         self.lookups = 0  # kernel lookup count (FUSE forget)
         self.opens = 0  # open handles
         self.reads = 0
@@ -75,8 +78,23 @@ class Replica:
         if self._opened_before:
             return []
         self._opened_before = True
+        return self.preload_chunks()
+
+    def preload_chunks(self) -> list[tuple[int, bytes]]:
+        """(offset, bytes) of every chunk bundled in the manifest: what
+        `take_preload` gives once per version, and a follower's open once per
+        page-cache generation (`follow.py`: each follower has a page cache of
+        its own)."""
         bundled = self.manifest.bundled
         return [(i * CHUNK_SIZE, bundled[i]) for i in sorted(bundled) if bundled[i]]
+
+    def source(self, index: int) -> ChunkSource | None:
+        """Where chunk ``index`` is in a packed store; None in Verneuil's
+        layout (its own chunk object, named by its fingerprint)."""
+        return chunk_source(self.manifest, index) if self.packed else None
+
+    def _sources(self, indices: list[int]) -> list[ChunkSource] | None:
+        return [chunk_source(self.manifest, i) for i in indices] if self.packed else None
 
     def chunk_fprint(self, index: int) -> Fprint:
         return self.manifest.chunks[index]
@@ -101,7 +119,7 @@ class Replica:
 
     async def _chunk_waiting(self, index: int) -> bytes:
         """A chunk `chunk_nowait` did not have (raises FetchError)."""
-        data = await self.fetcher.get_waiting(self.manifest.chunks[index])
+        data = await self.fetcher.get_waiting(self.manifest.chunks[index], self.source(index))
         self._note(index, data)
         return data
 
@@ -156,19 +174,22 @@ class Replica:
             dests.append(view[at : at + self.manifest.chunk_length(i)])
             indices.append(i)
         if fps:
-            await self.fetcher.read_into(fps, dests)
+            await self.fetcher.read_into(fps, dests, self._sources(indices))
             if self._btree is not None:
                 for i, dest in zip(indices, dests):
                     self._note(i, dest)
         return view[off - base : end - base]
 
     # --------------------------------------------------------------- prefetch
-    def _remote(self, indices) -> list[Fprint]:
-        out = []
-        for i in indices:
-            if 0 <= i < self.nchunks and not self.is_local(i):
-                out.append(self.manifest.chunks[i])
-        return out
+    def _remote(self, indices) -> list[int]:
+        """The chunks of ``indices`` that would need a fetch."""
+        return [i for i in indices if 0 <= i < self.nchunks and not self.is_local(i)]
+
+    def _prefetch(self, indices, **kw) -> None:
+        remote = self._remote(indices)
+        if self.packed:
+            kw["sources"] = self._sources(remote)
+        self.fetcher.prefetch([self.manifest.chunks[i] for i in remote], **kw)
 
     def _hint(self, off: int, end: int, first: int, last: int, cursor: Cursor | None) -> None:
         """Hand the fetcher the chunks the prefetch policies name for this
@@ -181,15 +202,17 @@ class Replica:
         if not hints:
             return
         if hints.both:
-            self.fetcher.prefetch(self._remote(hints.both))
+            self._prefetch(hints.both)
         if hints.fetch_only:
-            self.fetcher.prefetch(self._remote(hints.fetch_only), advise=False)
+            self._prefetch(hints.fetch_only, advise=False)
         if hints.advise_only:
-            self.fetcher.prefetch(self._remote(hints.advise_only), fetch=False)
+            self._prefetch(hints.advise_only, fetch=False)
 
-    def all_remote_chunks(self) -> list[Fprint]:
-        """Every chunk that would need a fetch (for eager hydration)."""
-        return self._remote(range(self.nchunks))
+    def all_remote_chunks(self) -> tuple[list[Fprint], list[ChunkSource] | None]:
+        """Every chunk that would need a fetch (for eager hydration), and
+        where each is in a packed store (None in Verneuil's layout)."""
+        remote = self._remote(range(self.nchunks))
+        return [self.manifest.chunks[i] for i in remote], self._sources(remote)
 
     def describe(self) -> dict:
         return {

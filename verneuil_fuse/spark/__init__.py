@@ -33,6 +33,13 @@ read-only, `immutable=1` by default (an open handle on the mount pins one
 snapshot), or `mode=ro` with option immutable=false for files that may
 change.
 
+A database a task cannot read (a host without the mount, a damaged file)
+is named with the executor host and why (`explain_failure`): on_error=fail
+ends the job with that one line (`DatabaseError`; `spark_session` hides the
+Python traceback), skip logs it on the executor, report puts it in
+`_error`, and `without_errors(df)` of a report read prints on the driver
+how many databases failed and why, then drops those rows.
+
 Options: query or table (one of them), columns (table mode), paths (JSON
 list, or load's path), on_error = fail (default) | skip (log and drop that
 database) | report (one row with `_error` set and the other columns null),
@@ -41,18 +48,18 @@ partition_bytes (e.g. 64m), min_partitions, partitions (an exact count,
 balanced by size), arrow (true), pushdown (true; table mode).
 """
 from .convert import SUPPORTED_TYPES, ConversionError
-from .files import (DB_SUFFIXES, VerneuilSourceError, balance, connect_readonly,
-                    find_databases, plan_by_bytes)
+from .files import (DB_SUFFIXES, DatabaseError, VerneuilSourceError, balance, connect_readonly,
+                    explain_failure, find_databases, plan_by_bytes)
 from .options import ON_ERROR, OPTIONS
-from .query import check_output, explain, run_query
+from .query import check_output, explain, run_query, without_errors
 from .schema import ERROR_COLUMN, SOURCE_COLUMN, infer_schema, table_schema
 from .session import spark_session
 from .source import DatabaseGroup, VerneuilDataSource, VerneuilReader, VerneuilTableReader
 
 __all__ = [
-    "ConversionError", "DB_SUFFIXES", "DatabaseGroup", "ERROR_COLUMN", "ON_ERROR", "OPTIONS",
+    "ConversionError", "DB_SUFFIXES", "DatabaseError", "DatabaseGroup", "ERROR_COLUMN", "ON_ERROR", "OPTIONS",
     "SOURCE_COLUMN", "SUPPORTED_TYPES", "VerneuilDataSource", "VerneuilReader",
     "VerneuilSourceError", "VerneuilTableReader", "balance", "check_output", "connect_readonly",
-    "explain", "find_databases", "infer_schema", "plan_by_bytes", "run_query", "spark_session",
-    "table_schema",
+    "explain", "explain_failure", "find_databases", "infer_schema", "plan_by_bytes", "run_query",
+    "spark_session", "table_schema", "without_errors",
 ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import socket
 import sqlite3
 import urllib.parse
 from typing import Sequence
@@ -29,6 +31,60 @@ OPEN_COST_BYTES = 1 << 20
 
 class VerneuilSourceError(ValueError):
     """Bad options or paths given to the data source."""
+
+
+class DatabaseError(RuntimeError):
+    """A database a task could not read (on_error=fail): its message names
+    the database, the executor host and why."""
+
+
+# The file system type of a verneuil mount in /proc/self/mountinfo.
+MOUNT_FSTYPE = "fuse.verneuil"
+
+
+def _mount_of(path: str) -> tuple[str, str] | None:
+    """(mount point, file system type) of the mount that holds `path` on
+    this host, from /proc/self/mountinfo (never touching the mount)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    path = os.path.abspath(path)
+    best = None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 10 or "-" not in fields:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        fstype = fields[fields.index("-") + 1]
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[0])):
+            best = (point, fstype)
+    return best
+
+
+def explain_failure(path: str, error: Exception) -> str:
+    """Why a task could not read `path`, for the driver: SQLite's words,
+    or what is missing on this host (a file absent because no verneuil
+    mount holds it here, a mount that could not reach its store), and the
+    executor host's name."""
+    why = str(error)
+    mount = _mount_of(path)
+    verneuil = mount is not None and mount[1] == MOUNT_FSTYPE
+    if not os.path.exists(path):
+        if verneuil:
+            why = ("no such file in the verneuil mount at %s (gone from the store since the driver listed it, "
+                   "or that mount is of another store)" % mount[0])
+        else:
+            near = os.path.dirname(os.path.abspath(path))
+            while not os.path.isdir(near):
+                near = os.path.dirname(near)
+            why = ("no such file, and no verneuil mount holds it on this host (its nearest directory here is %s): "
+                   "mount the store at the same path on every executor host" % near)
+    elif verneuil and "disk I/O error" in why:
+        why += " (the verneuil mount at %s could not get it from its store: see that mount's log)" % mount[0]
+    return "%s (executor host %s)" % (why, socket.gethostname())
 
 
 def find_databases(spec: str | Sequence[str]) -> list[str]:

@@ -57,7 +57,8 @@ def _forward_stderr(pipe, notices: tuple[bytes, ...] = _JVM_NOTICES) -> None:
 def spark_session(master: str = "local[*]", app: str = "verneuil", quiet: bool = False,
                   conf: dict | None = None, class_archive: bool = False):
     """A SparkSession set up for this machine (loopback only, this Python on
-    the workers, filter pushdown on) with the data source registered; `conf`
+    the workers, filter pushdown on, Python workers' errors as one line
+    without their traceback) with the data source registered; `conf`
     adds or overrides Spark settings (a cluster's executor sizes, say).
     `quiet` (for command-line tools): the JVM logs only fatal errors, from
     its start on, and its start-up notices are dropped from its stderr;
@@ -82,7 +83,12 @@ def spark_session(master: str = "local[*]", app: str = "verneuil", quiet: bool =
             .set("spark.driver.bindAddress", "127.0.0.1")
             .set("spark.sql.shuffle.partitions", "4")
             # Off by default in PySpark; table mode's filters go to SQLite.
-            .set("spark.sql.python.filterPushdown.enabled", "true"))
+            .set("spark.sql.python.filterPushdown.enabled", "true")
+            # A database a task cannot read is the user's to fix (a host
+            # without the mount, a damaged file): the driver gets the
+            # error's one line (DatabaseError: the database, the executor
+            # host, why), not a Python traceback of the data source.
+            .set("spark.sql.execution.pyspark.udf.hideTraceback.enabled", "true"))
     for key, value in settings.items():
         conf.set(key, str(value))
     if not quiet or SparkContext._active_spark_context is not None:

@@ -15,8 +15,8 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, Filter, InputPa
 from pyspark.sql.types import StructType
 
 from .convert import SUPPORTED_TYPES, ColumnBuilder, ConversionError, arrow_schema, convert
-from .files import (VerneuilSourceError, balance, connect_readonly, is_decode_error,
-                    plan_by_bytes)
+from .files import (DatabaseError, VerneuilSourceError, balance, connect_readonly, explain_failure,
+                    is_decode_error, plan_by_bytes)
 from .options import Options
 from .schema import ERROR_COLUMN, INFER_DATABASES, SOURCE_COLUMN, infer_schema, table_schema
 from .tables import compare_kind, describe, quote, spark_type_of, table_columns, to_sql
@@ -133,11 +133,12 @@ class VerneuilReader(DataSourceReader):
             try:
                 out = one(path)
             except (sqlite3.Error, ConversionError) as e:
+                why = explain_failure(path, e)
                 if self.opts.on_error == "fail":
-                    raise RuntimeError("query failed on %s: %s" % (path, e)) from None
-                log.warning("skipping %s: %s", path, e)
+                    raise DatabaseError("query failed on %s: %s" % (path, why)) from None
+                log.warning("skipping %s: %s", path, why)
                 if self.opts.on_error == "report" and self.with_error:
-                    yield self._error_row(path, str(e))
+                    yield self._error_row(path, why)
                 continue
             yield from out
 

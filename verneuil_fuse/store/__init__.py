@@ -9,8 +9,11 @@ This package owns every access to blob storage; boto3 is imported only here
   ``VERNEUIL_CONFIG`` environment variable.  Syntax: `config` module docstring.
 - `parse_config(spec) -> dict`: the same spec as a Verneuil-shaped config dict,
   for modules that need other keys (``replication_spooling_dir``, ...).
-- `Store` (``chunks``, ``manifests``, ``url``), the `Backend` protocol,
-  `ObjectInfo`, `VersionInfo`, and the errors: `StoreError` > `NotFound`,
+- `read_chunk(backend, source, fp)` / `read_run`: one verified read of a
+  chunk (or of a run of adjacent chunks of a pack) where
+  `format.chunk_source` says it is, in either layout (`chunkread`).
+- `Store` (``chunks``, ``manifests``, ``url``, ``layout``), the `Backend` protocol,
+  `ObjectInfo`, `VersionInfo`, `Tagged`, and the errors: `StoreError` > `NotFound`,
   `BucketNotFound`, `AccessDenied`, `TransientError`, `TooLarge`,
   `InvalidKey`, `ConfigError`.
 - Implementations: `LocalBackend` (here) and `S3Backend` / `make_client`
@@ -31,16 +34,23 @@ from .base import (
     ObjectInfo,
     Store,
     StoreError,
+    Throttled,
+    TimedOut,
+    Tagged,
     TooLarge,
     TransientError,
     VersionInfo,
     check_key,
 )
-from .config import ENV_VAR, open_store, parse_config, store_target, target_url
+from .chunkread import read_chunk, read_run
+from .config import ENV_VAR, LAYOUT_CHUNKS, LAYOUT_PACKED, LAYOUTS, open_store, parse_config, store_target, target_url
 from .local import LocalBackend
 
 __all__ = [
     "ENV_VAR",
+    "LAYOUTS",
+    "LAYOUT_CHUNKS",
+    "LAYOUT_PACKED",
     "MAX_KEY_BYTES",
     "AccessDenied",
     "Backend",
@@ -53,11 +63,16 @@ __all__ = [
     "S3Backend",
     "Store",
     "StoreError",
+    "Throttled",
+    "TimedOut",
+    "Tagged",
     "TooLarge",
     "TransientError",
     "VersionInfo",
     "check_key",
     "open_store",
+    "read_chunk",
+    "read_run",
     "parse_config",
     "store_target",
     "target_url",

@@ -8,8 +8,10 @@ rely on:
   bucket, optionally under a key prefix).  Calls block; async callers run them
   in threads.  Implementations are safe to share between threads.
 - `Store`: the pair of backends a replica lives in (chunks + manifests; the two
-  buckets may differ) and the URL that reopens it (`open_store(store.url)`).
-- `ObjectInfo` / `VersionInfo`: what listings yield.
+  buckets may differ), the URL that reopens it (`open_store(store.url)`) and
+  the layout copiers write it in (`layout`: "chunks" or "packed").
+- `ObjectInfo` / `VersionInfo`: what listings yield; `Tagged`: a blob and
+  the tag of its version, what a conditional read (`get_if_changed`) gives.
 - The error hierarchy.  Every failure of a backend call is a `StoreError`
   (never a botocore or OSError leaking through), and no message ever holds a
   credential:
@@ -75,6 +77,16 @@ class TransientError(StoreError):
     """A failure that may go away on retry: 5xx, throttling, timeouts, network."""
 
 
+class Throttled(TransientError):
+    """The store asks for fewer requests (S3's 503 SlowDown, ServiceUnavailable,
+    429): a caller with many in flight sends fewer."""
+
+
+class TimedOut(TransientError):
+    """No answer within the request's time limit (a store overloaded, or a
+    network that lost it)."""
+
+
 class TooLarge(StoreError):
     """The object is larger than the caller's bound (`max_bytes`); it was not
     read.  Not transient: whoever wrote it must replace it, or the caller
@@ -130,6 +142,17 @@ class VersionInfo:
     size: int
     mtime: float
     is_latest: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tagged:
+    """A blob read by `Backend.get_if_changed` and the tag of the version it
+    is: opaque, equal for the same stored object and different once the key
+    is written again (S3: the ETag; a directory: the file's inode, size and
+    mtime)."""
+
+    data: bytes
+    tag: str
 
 
 def check_key(key: object) -> str:
@@ -198,6 +221,15 @@ class Backend(Protocol):
         store may have put there pass a bound."""
         ...
 
+    def get_if_changed(self, key: str, tag: str | None, max_bytes: int | None = None) -> Tagged | None:
+        """The blob and its tag, or None when the key still holds the version
+        `tag` names (nothing read: S3 answers a GET with If-None-Match 304
+        without a body; a directory compares the file's stat).  `tag` None:
+        the blob whatever its version.  `NotFound` and `max_bytes` as for
+        `get`.  What a reader that watches a few keys calls often: an
+        unchanged key costs a request and no body."""
+        ...
+
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of the blob; shorter (possibly empty) when the
         range runs past the end.  `NotFound` if the blob does not exist."""
@@ -264,12 +296,15 @@ class Store:
     """Where replicas live: a chunk backend and a manifest backend.
 
     `url` is a spec that `open_store` turns back into an equivalent store
-    (pass it to subprocesses, mounts, Spark executors).
+    (pass it to subprocesses, mounts, Spark executors).  `layout` is how
+    copiers write chunks ("chunks": an object each, Verneuil's layout;
+    "packed": packs read by range); readers read both whatever it says.
     """
 
     chunks: Backend
     manifests: Backend
     url: str
+    layout: str = "chunks"
 
     def describe(self) -> str:
         """Human-readable description of both locations (no credentials)."""

@@ -12,7 +12,7 @@ into backends.  Accepted specs (`parse_config` / `open_store`):
   ``keep_versions=N`` (default `DEFAULT_KEEP_VERSIONS`; 0: no history) and
   ``keep_days=D`` (default `DEFAULT_KEEP_DAYS`; 0: no age bound): how many
   past versions of each manifest the store keeps, and for how long after
-  they stopped being current (`local` module docstring).
+  they stopped being current (`local` module docstring); ``layout=`` (below).
 - ``s3://CHUNK_BUCKET?manifest_bucket=M&endpoint=http://127.0.0.1:9000&region=us-east-1&addressing=path``
   with these optional query parameters (unknown ones are refused):
 
@@ -29,6 +29,12 @@ into backends.  Accepted specs (`parse_config` / `open_store`):
     (``bucket.host/key``), or ``auto`` (default; IP endpoints use path).
   - ``create_buckets_on_demand``: ``true`` to create missing buckets on write
     (the manifest bucket with versioning).
+  - ``layout``: as for ``file://`` URLs, below.
+
+  Both schemes take ``layout=chunks`` (the default: Verneuil's layout, one
+  object per chunk) or ``layout=packed`` (many chunks per object, read by
+  range: docs/FORMAT.md, "Packed layout").  Only copiers (and `convert`)
+  look at it: readers read either layout without being told.
 
   The URL path must be empty or ``/``; credentials in the URL are refused.
 - ``@/path/config.json``: a JSON file; ``{...}``: a JSON string; a ``dict``.
@@ -39,7 +45,7 @@ into backends.  Accepted specs (`parse_config` / `open_store`):
   optional ``chunk_prefix`` / ``manifest_prefix``; an omitted
   ``manifest_bucket`` means one bucket, as in the URL) or this project's
   ``{"directory": {"path": "/dir", "create": true, "keep_versions": 1000,
-  "keep_days": 7}}``.  ``local`` and
+  "keep_days": 7}}``; either target may say ``"layout": "packed"``.  ``local`` and
   ``read_only`` entries are chunk caches, not stores, and are skipped here.
   A bare target (``{"s3": {...}}`` or ``{"directory": {...}}``) is accepted
   too.
@@ -109,9 +115,16 @@ S3_URL_PARAMS = frozenset(
         "region",
         "addressing",
         "create_buckets_on_demand",
+        "layout",
     }
 )
-FILE_URL_PARAMS = frozenset({"create", "keep_versions", "keep_days"})
+FILE_URL_PARAMS = frozenset({"create", "keep_versions", "keep_days", "layout"})
+
+# Store layouts (docs/FORMAT.md): Verneuil's, one object per chunk (the
+# default), and this project's packs of many chunks read by range.
+LAYOUT_CHUNKS = "chunks"
+LAYOUT_PACKED = "packed"
+LAYOUTS = (LAYOUT_CHUNKS, LAYOUT_PACKED)
 
 # Spellings of booleans in URLs.
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
@@ -277,7 +290,7 @@ def _parse_file_url(text: str) -> dict[str, Any]:
     directory: dict[str, Any] = {"path": os.path.normpath(path)}
     if "create" in params:
         directory["create"] = _bool(params["create"], "file URL parameter create")
-    for name in ("keep_versions", "keep_days"):
+    for name in ("keep_versions", "keep_days", "layout"):
         if name in params:
             directory[name] = params[name]  # checked by _normalize_directory
     return {"directory": directory}
@@ -327,6 +340,8 @@ def _parse_s3_url(text: str) -> dict[str, Any]:
         s3["create_buckets_on_demand"] = _bool(
             params["create_buckets_on_demand"], "s3 URL parameter create_buckets_on_demand"
         )
+    if "layout" in params:
+        s3["layout"] = params["layout"]  # checked by _normalize_s3
     return {"s3": s3}
 
 
@@ -335,9 +350,9 @@ def _parse_s3_url(text: str) -> dict[str, Any]:
 
 def store_target(config: Mapping[str, Any]) -> dict[str, Any]:
     """The normalized store target of a parsed configuration:
-    ``{"kind": "directory", "path", "create", "keep_versions", "keep_days"}`` or ``{"kind": "s3", "chunk_bucket",
+    ``{"kind": "directory", "path", "create", "keep_versions", "keep_days", "layout"}`` or ``{"kind": "s3", "chunk_bucket",
     "manifest_bucket", "chunk_prefix", "manifest_prefix", "endpoint", "region",
-    "addressing", "create_buckets_on_demand"}``."""
+    "addressing", "create_buckets_on_demand", "layout"}``."""
     targets = config.get("replication_targets")
     if targets is None:
         raise ConfigError("configuration has no replication_targets (no store to open)")
@@ -383,7 +398,15 @@ def _normalize_directory(body: Any, where: str) -> dict[str, Any]:
     create = _bool(body.get("create", True), f"{where}.create")
     keep_versions, keep_days = _retention(body, where)
     return {"kind": "directory", "path": os.path.normpath(path), "create": create,
-            "keep_versions": keep_versions, "keep_days": keep_days}
+            "keep_versions": keep_versions, "keep_days": keep_days, "layout": _layout(body, where)}
+
+
+def _layout(body: Mapping[str, Any], where: str) -> str:
+    """The target's `layout`: chunks (the default) or packed."""
+    value = body.get("layout", LAYOUT_CHUNKS)
+    if value not in LAYOUTS:
+        raise ConfigError(f"{where}.layout must be {' or '.join(LAYOUTS)}, not {_quote_spec(str(value))}")
+    return value
 
 
 def _retention(body: Mapping[str, Any], where: str) -> tuple[int, float]:
@@ -475,6 +498,7 @@ def _normalize_s3(body: Any, where: str) -> dict[str, Any]:
         "region": region,
         "addressing": addressing,
         "create_buckets_on_demand": create,
+        "layout": _layout(body, where),
     }
 
 
@@ -487,6 +511,8 @@ def target_url(target: Mapping[str, Any]) -> str:
             options.append("keep_versions=%d" % target["keep_versions"])
         if target.get("keep_days", DEFAULT_KEEP_DAYS) != DEFAULT_KEEP_DAYS:
             options.append("keep_days=%r" % target["keep_days"])
+        if target.get("layout", LAYOUT_CHUNKS) != LAYOUT_CHUNKS:
+            options.append("layout=" + target["layout"])
         return url + ("?" + "&".join(options) if options else "")
     params = [("manifest_bucket", target["manifest_bucket"])]
     for name in ("chunk_prefix", "manifest_prefix"):
@@ -499,6 +525,8 @@ def target_url(target: Mapping[str, Any]) -> str:
         params.append(("addressing", "domain" if target["addressing"] == "virtual" else "path"))
     if target["create_buckets_on_demand"]:
         params.append(("create_buckets_on_demand", "true"))
+    if target.get("layout", LAYOUT_CHUNKS) != LAYOUT_CHUNKS:
+        params.append(("layout", target["layout"]))
     query = "&".join(f"{name}={urllib.parse.quote(value, safe=':/')}" for name, value in params)
     return f"s3://{target['chunk_bucket']}?{query}"
 
@@ -525,6 +553,7 @@ def open_store(spec: str | os.PathLike[str] | Mapping[str, Any] | None = None, *
                 keep_seconds=target["keep_days"] * SECONDS_PER_DAY,
             ),
             url=url,
+            layout=target["layout"],
         )
     else:
         from . import s3  # boto3 is imported only when an S3 store is opened
@@ -546,6 +575,7 @@ def open_store(spec: str | os.PathLike[str] | Mapping[str, Any] | None = None, *
                 client, target["manifest_bucket"], target["manifest_prefix"], versioned=True, **common
             ),
             url=url,
+            layout=target["layout"],
         )
     logger.debug("opened store %s", store.describe())
     return store

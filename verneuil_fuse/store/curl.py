@@ -91,6 +91,7 @@ class Request:
 class Response:
     status: int
     body: bytes
+    etag: str | None = None  # the answer's ETag header, as sent (quotes kept)
 
 
 @dataclass
@@ -102,6 +103,7 @@ class _Transfer:
     too_large: bool = False
     declared: int | None = None  # Content-Length, when it is over max_bytes
     status: int = 0  # learnt at the body's first bytes, else at the end
+    etag: str | None = None
     last_activity: float = 0.0  # time.monotonic() of the last byte either way
 
 
@@ -329,13 +331,16 @@ class CurlEngine:
             return None
 
         def header(line: bytes):
-            # Only the status line and Content-Length matter, and bytes
-            # tests keep this call per header line cheap.
+            # Only the status line, Content-Length and ETag matter, and
+            # bytes tests keep this call per header line cheap.
             t = handle.transfer
             if line[:5] == b"HTTP/":
                 parts = line.split()
                 t.status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+                t.etag = None  # a redirect's or a 100's headers came first
                 t.last_activity = time.monotonic()
+            elif line[:5].lower() == b"etag:":
+                t.etag = line[5:].strip().decode("latin-1")
             elif line[:15].lower() == b"content-length:" and t.request.max_bytes is not None \
                     and t.status // 100 == 2:
                 value = line[15:].strip()
@@ -401,7 +406,7 @@ class CurlEngine:
             for curl in ok:
                 t = self._release(curl)
                 status = curl.getinfo(pycurl.RESPONSE_CODE)
-                self._call(t, Response(status, b"".join(t.chunks)))
+                self._call(t, Response(status, b"".join(t.chunks), t.etag))
             for curl, code, message in failed:
                 t = self._release(curl)
                 if t.too_large:

@@ -49,6 +49,7 @@ from .base import (
     NotFound,
     ObjectInfo,
     StoreError,
+    Tagged,
     TransientError,
     VersionInfo,
     check_key,
@@ -272,11 +273,15 @@ class LocalBackend:
 
     def _read(self, path: str, key: str, max_bytes: int | None) -> bytes:
         """The whole blob file at `path` (the key's, or one of its versions)."""
+        return self._read_stat(path, key, max_bytes)[0]
+
+    def _read_stat(self, path: str, key: str, max_bytes: int | None) -> tuple[bytes, os.stat_result]:
+        """`_read`, with the stat of the file read."""
         try:
             f, st = self._open_blob(path, key)
             with f:
                 if max_bytes is None:
-                    return f.read()
+                    return f.read(), st
                 if st.st_size > max_bytes:
                     raise too_large("read", path, key, st.st_size, max_bytes)
                 # Never more than the bound + 1, even if the file grew since.
@@ -285,7 +290,22 @@ class LocalBackend:
             raise self._error(err, "read", key) from None
         if len(data) > max_bytes:
             raise too_large("read", path, key, None, max_bytes)
-        return data
+        return data, st
+
+    def get_if_changed(self, key: str, tag: str | None, max_bytes: int | None = None) -> Tagged | None:
+        check_max_bytes(max_bytes)
+        path = self._path(key)
+        if tag is not None:
+            try:
+                st = os.lstat(path)
+            except OSError as err:
+                raise self._error(err, "stat", key) from None
+            if _file_tag(st) == tag:
+                return None
+        data, st = self._read_stat(path, key, max_bytes)
+        # The tag of the file read (its descriptor's stat), whatever the
+        # name points at now: a write since gives the next call a change.
+        return Tagged(data, _file_tag(st))
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         path = self._path(key)
@@ -535,6 +555,13 @@ def _version_time(version_id: str) -> float:
     """The time (seconds since the epoch) a version id records."""
     match = VERSION_ID_RE.match(version_id)
     return int(match.group(1)) / 1e9 if match else 0.0
+
+
+def _file_tag(st: os.stat_result) -> str:
+    """A blob file's version tag: every put publishes a new file (a rename
+    or a link of a new inode), so the inode tells versions apart; size and
+    mtime guard against an inode number reused after a delete."""
+    return "%d-%d-%d" % (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _unlink_quietly(path: str) -> None:

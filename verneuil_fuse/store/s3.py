@@ -21,7 +21,10 @@ owns:
   endpoint, region, path or virtual-host ("domain") addressing; credentials
   always come from boto3's default chain (environment, ~/.aws, instance or
   container roles; the caller may name a profile and a credentials file for
-  it), never from the store configuration;
+  it), never from the store configuration, and are kept, refreshed and
+  re-read off the callers' threads, with a time limit, by the client's
+  `credentials.CredentialKeeper` (boto3's requests and the engines' signing
+  alike); an access-denied answer tells the keeper;
 - the translation of every botocore failure into the `StoreError` hierarchy
   of `base.py` (no botocore exception escapes a `Backend` call), with messages
   that name bucket, key and endpoint but never credentials.
@@ -32,20 +35,24 @@ root of the chunk and manifest buckets) and strips it from listings.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import re
 import threading
 import urllib.parse
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import boto3
 import botocore
+import botocore.credentials
 import botocore.exceptions
 import botocore.session
 from botocore.config import Config
 
+from .credentials import REFRESH_TIMEOUT, CredentialKeeper, CredentialsUnavailable
 from .curl import BodyTooLarge, CurlEngine, Request, Response
 from .retry import Backoff, retry
 from .listing import ListingFormatError, list_query, parse_list_page
@@ -58,6 +65,9 @@ from .base import (
     NotFound,
     ObjectInfo,
     StoreError,
+    Throttled,
+    TimedOut,
+    Tagged,
     TransientError,
     VersionInfo,
     check_key,
@@ -151,6 +161,8 @@ DENIED_CODES = frozenset(
     }
 )
 PRECONDITION_CODES = frozenset({"PreconditionFailed", "412"})
+# A conditional GET (If-None-Match) whose object still has that ETag.
+NOT_MODIFIED_CODES = frozenset({"NotModified", "304"})
 TRANSIENT_CODES = frozenset(
     {
         "SlowDown",
@@ -169,6 +181,10 @@ TRANSIENT_CODES = frozenset(
     }
 )
 RANGE_NOT_SATISFIABLE_CODES = frozenset({"InvalidRange", "416"})
+# Of the transient codes, those that ask for fewer requests (S3's guidance:
+# back off and lower the request rate): `Throttled`.
+THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                            "TooManyRequests", "ServiceUnavailable", "429", "503"})
 
 # Longest server-supplied error message quoted in our messages (they are
 # one-liners in logs and CLI output).
@@ -180,6 +196,10 @@ _TRANSIENT_EXCEPTIONS: tuple[type[BaseException], ...] = (
     botocore.exceptions.HTTPClientError,  # read timeout, connection closed, streaming
     botocore.exceptions.IncompleteReadError,
     OSError,  # raw socket / urllib3 errors while reading a body
+)
+_TIMEOUT_EXCEPTIONS: tuple[type[BaseException], ...] = (
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.ReadTimeoutError,
 )
 _CREDENTIAL_EXCEPTIONS: tuple[type[BaseException], ...] = (
     botocore.exceptions.NoCredentialsError,
@@ -205,8 +225,41 @@ ENGINE_RETRY_BACKOFF = 0.05
 ENGINE_RETRY_CAP = 20.0
 
 
+def _answer_of(err: StoreError) -> tuple[str, Any]:
+    """The S3 error code and HTTP status of the answer behind ``err``
+    (("", None) when it was no S3 answer)."""
+    cause = err.__cause__
+    if not isinstance(cause, botocore.exceptions.ClientError):
+        return "", None
+    return (str(cause.response.get("Error", {}).get("Code", "")),
+            cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
+
+
 class _Redirected:
     """An engine answer that boto3 must serve instead."""
+
+
+# Each client's credential keeper (`make_client`), for its backends.
+_KEEPERS: "weakref.WeakKeyDictionary[Any, CredentialKeeper]" = weakref.WeakKeyDictionary()
+
+
+class _KeptCredentials(botocore.credentials.Credentials):
+    """What boto3's signer of a client asks for credentials: its keeper's
+    (a worker thread may wait for a refresh under way, at most its time
+    limit)."""
+
+    method = "verneuil-keeper"
+
+    def __init__(self, keeper: CredentialKeeper):
+        self._keeper = keeper
+
+    def get_frozen_credentials(self):
+        return self._keeper.frozen(wait=REFRESH_TIMEOUT)
+
+    # What botocore reads of a Credentials object besides the frozen triple.
+    access_key = property(lambda self: self.get_frozen_credentials().access_key)
+    secret_key = property(lambda self: self.get_frozen_credentials().secret_key)
+    token = property(lambda self: self.get_frozen_credentials().token)
 
 
 @dataclass(frozen=True)
@@ -277,19 +330,37 @@ def make_client(
         if credentials_file:
             core.set_config_variable("credentials_file", credentials_file)
         session = boto3.session.Session(botocore_session=core, profile_name=profile or None)
-        return session.client(
+        # Before the client resolves its credentials: a credential_process
+        # run from now on has the keeper's time limit.
+        keeper = CredentialKeeper(core, "s3 at %s" % (safe_endpoint(endpoint) or "AWS"))
+        client = session.client(
             "s3", endpoint_url=endpoint or None, region_name=region or None, config=config
         )
+        _keep_credentials(client, keeper)
+        return client
     except botocore.exceptions.ProfileNotFound:
         where = f" ({credentials_file} and the AWS config file)" if credentials_file else ""
         raise ConfigError(f"AWS profile {profile!r} not found{where}") from None
-    except (ValueError, botocore.exceptions.BotoCoreError) as err:
+    except (ValueError, TimeoutError, botocore.exceptions.BotoCoreError) as err:
         # ValueError: botocore's "Invalid endpoint" (it quotes the endpoint,
         # which could hold user info, so say it ourselves).
         raise ConfigError(
             f"cannot configure S3 client (endpoint {safe_endpoint(endpoint)}, "
             f"region {region}): {type(err).__name__}"
         ) from None
+
+
+def _keep_credentials(client: Any, keeper: CredentialKeeper) -> None:
+    """The client's requests are signed with what ``keeper`` serves,
+    starting from the credentials it was made with (none for an unsigned
+    client, which the keeper then leaves alone)."""
+    signer = getattr(client, "_request_signer", None)
+    current = getattr(signer, "_credentials", None)
+    if current is None:
+        return
+    keeper.adopt(current)
+    signer._credentials = _KeptCredentials(keeper)
+    _KEEPERS[client] = keeper
 
 
 class S3Backend:
@@ -332,6 +403,7 @@ class S3Backend:
         self._engine: CurlEngine | None = None
         self._url_prefix: str | None = None
         self._engine_lock = threading.Lock()
+        self.credentials = _KEEPERS.get(client)  # None: an unsigned (or foreign) client
 
     # -- helpers ---------------------------------------------------------
 
@@ -384,6 +456,8 @@ class S3Backend:
                 f"(boto3's default chain: environment, ~/.aws, instance role)",
                 key=key,
             )
+        if isinstance(exc, _TIMEOUT_EXCEPTIONS):
+            return TimedOut(f"{op} {where}: no answer from S3 in time ({type(exc).__name__})", key=key)
         if isinstance(exc, _TRANSIENT_EXCEPTIONS):
             return TransientError(
                 f"{op} {where}: cannot reach S3 ({type(exc).__name__})", key=key
@@ -395,6 +469,8 @@ class S3Backend:
         where = self._where(key)
         message = message[:MAX_QUOTED_MESSAGE]
         if code in DENIED_CODES or status == 403:
+            if self.credentials is not None:
+                self.credentials.denied()  # a rotated key: read the chain again
             # No server message: some echo request details.
             return AccessDenied(f"{op} {where}: access denied ({code or status})", key=key)
         detail = f"{code or status}" + (f" ({message})" if message else "")
@@ -402,6 +478,8 @@ class S3Backend:
             return BucketNotFound(f"{op} {where}: bucket {self.bucket} does not exist", key=key)
         if code in NOT_FOUND_CODES or status == 404:
             return NotFound(f"{op} {where}: not found ({detail})", key=key)
+        if code in THROTTLE_CODES or status in (429, 503):
+            return Throttled(f"{op} {where}: {detail}", key=key)
         if code in TRANSIENT_CODES or (isinstance(status, int) and status >= 500):
             return TransientError(f"{op} {where}: {detail}", key=key)
         return StoreError(f"{op} {where}: {detail}", key=key)
@@ -531,6 +609,8 @@ class S3Backend:
                         "get_object", Params={"Bucket": self.bucket, "Key": _URL_MARKER}, ExpiresIn=60)
                     self._url_prefix = url.split("?", 1)[0].rsplit(_URL_MARKER, 1)[0]
                     self._engine = CurlEngine()
+                except CredentialsUnavailable:
+                    raise  # for now: the engine path stays, tried again at the next request
                 except Exception as exc:  # noqa: BLE001 - boto3 serves instead, with its own error
                     logger.debug("%s: no engine path (%s)", self.describe(), exc)
                     self.use_engine = False
@@ -549,11 +629,13 @@ class S3Backend:
         auth = self._engine_auth()
         return None if auth is None else self._engine_build(auth, method, key, body, max_bytes, timeout)
 
-    def _engine_auth(self) -> tuple[str, list[str], tuple[str, str, str] | None] | None:
+    def _engine_auth(self, wait: float = REFRESH_TIMEOUT) -> tuple[str, list[str], tuple[str, str, str] | None] | None:
         """What every engine request needs now: the URL prefix, the headers
-        and the SigV4 spec with the credentials botocore's chain gives the
-        client at this moment; None: no engine path (or no credentials:
-        boto3 then says so in its own words)."""
+        and the SigV4 spec with the credentials the client's keeper serves
+        at this moment (waiting at most ``wait`` seconds for a refresh under
+        way; `CredentialsUnavailable` when there are none: the engine path
+        stays); None: no engine path (or a client without a keeper and no
+        credentials: boto3 then says so in its own words)."""
         prefix = self._engine_prefix()
         if prefix is None:
             return None
@@ -561,18 +643,26 @@ class S3Backend:
         sigv4 = None
         config = self.client.meta.config
         if config.signature_version is not botocore.UNSIGNED:
-            try:
-                credentials = self.client._request_signer._credentials
-                frozen = credentials.get_frozen_credentials() if credentials is not None else None
-            except Exception as exc:  # noqa: BLE001 - boto3 reports it in its own words
-                logger.debug("%s: no credentials for the engine (%s)", self.describe(), exc)
-                return None
+            if self.credentials is not None:
+                frozen = self.credentials.frozen(wait)
+            else:
+                frozen = self._foreign_credentials()
             if frozen is None or not frozen.access_key:
                 return None  # boto3 says "no credentials"
             sigv4 = ("aws:amz:%s:s3" % (self.region or "us-east-1"), frozen.access_key, frozen.secret_key)
             if frozen.token:
                 headers.append("x-amz-security-token: " + frozen.token)
         return prefix, headers, sigv4
+
+    def _foreign_credentials(self) -> Any:
+        """The credentials of a client `make_client` did not make (no
+        keeper): botocore's own, as it gives them; None when it cannot."""
+        try:
+            credentials = self.client._request_signer._credentials
+            return credentials.get_frozen_credentials() if credentials is not None else None
+        except Exception as exc:  # noqa: BLE001 - boto3 reports it in its own words
+            logger.debug("%s: no credentials for the engine (%s)", self.describe(), exc)
+            return None
 
     def _engine_build(self, auth: tuple[str, list[str], tuple[str, str, str] | None], method: str, key: str,
                       body: bytes | None, max_bytes: int | None, timeout: float | None) -> Request:
@@ -595,8 +685,10 @@ class S3Backend:
         reader/chunk_engine.py) needs to GET this backend's objects now: their
         URLs, the headers, libcurl's SigV4 spec with the credentials
         botocore's chain gives the client at this moment, the time limits;
-        None: no engine path (then `get`, in a thread)."""
-        auth = self._engine_auth()
+        None: no engine path (then `get`, in a thread). Never waits (the
+        caller's is trio's thread): `CredentialsUnavailable` while the
+        credentials are being refreshed or could not be, the path staying."""
+        auth = self._engine_auth(wait=0.0)
         if auth is None:
             return None
         prefix, headers, sigv4 = auth
@@ -621,7 +713,8 @@ class S3Backend:
         if isinstance(result, OSError):
             if isinstance(result, BodyTooLarge) and max_bytes is not None:
                 return too_large(op, where, key, result.size, max_bytes)
-            return TransientError(f"{op} {where}: cannot reach S3 ({result.strerror or result})", key=key)
+            kind = TimedOut if result.errno == errno.ETIMEDOUT else TransientError
+            return kind(f"{op} {where}: cannot reach S3 ({result.strerror or result})", key=key)
         if 200 <= result.status < 300:
             return result.body
         match = _XML_CODE.search(result.body[:4096])
@@ -639,34 +732,71 @@ class S3Backend:
         """One engine request and its answer, waited for here, with
         attempts for transient failures as the client's retry configuration
         says (botocore's total_max_attempts); None: use boto3."""
-        retries = self.client.meta.config.retries or {}
-        attempts = max(1, int(retries.get("total_max_attempts", ENGINE_ATTEMPTS)))
 
         def once() -> bytes | None:
             request = self._engine_request(method, key, body, max_bytes, None)
-            if request is None:
+            result = None if request is None else self._engine_roundtrip(request)
+            if result is None:
                 return None
-            box: list = []
-            ready = threading.Event()
-
-            def finish(result: Response | OSError) -> None:
-                box.append(result)
-                ready.set()
-
-            try:
-                self._engine.submit(request, finish)
-            except OSError:
-                return None
-            ready.wait()
-            answer = self._engine_answer(op, key, box[0], max_bytes)
+            answer = self._engine_answer(op, key, result, max_bytes)
             if isinstance(answer, _Redirected):
                 return None
             if isinstance(answer, StoreError):
                 raise answer
             return answer
 
-        backoff = Backoff(base=ENGINE_RETRY_BACKOFF, cap=ENGINE_RETRY_CAP, attempts=attempts, jitter=False)
-        return retry(once, backoff=backoff, what="%s %s" % (op, key))
+        return retry(once, backoff=self._engine_backoff(), what="%s %s" % (op, key))
+
+    def _engine_backoff(self) -> Backoff:
+        """The waits between a synchronous engine request's attempts, as
+        many as the client's retry configuration says (botocore's
+        total_max_attempts)."""
+        retries = self.client.meta.config.retries or {}
+        attempts = max(1, int(retries.get("total_max_attempts", ENGINE_ATTEMPTS)))
+        return Backoff(base=ENGINE_RETRY_BACKOFF, cap=ENGINE_RETRY_CAP, attempts=attempts, jitter=False)
+
+    def _engine_roundtrip(self, request: Request) -> Response | OSError | None:
+        """Send `request` on the engine and wait for its answer; None: the
+        engine took no request (closed)."""
+        box: list = []
+        ready = threading.Event()
+
+        def finish(result: Response | OSError) -> None:
+            box.append(result)
+            ready.set()
+
+        try:
+            self._engine.submit(request, finish)
+        except OSError:
+            return None
+        ready.wait()
+        return box[0]
+
+    def _engine_conditional(self, key: str, tag: str | None, max_bytes: int | None) -> Tagged | None | _Redirected:
+        """`get_if_changed` on the engine: a GET with If-None-Match, whose
+        304 answer is "unchanged"; `_Redirected`: no engine path (boto3
+        serves it), as for an answer without an ETag."""
+
+        def once() -> Tagged | None | _Redirected:
+            auth = self._engine_auth()
+            if auth is None:
+                return _Redirected()
+            prefix, headers, sigv4 = auth
+            condition = ["If-None-Match: " + tag] if tag else []
+            request = self._engine_build((prefix, headers + condition, sigv4), "GET", key, None, max_bytes, None)
+            result = self._engine_roundtrip(request)
+            if result is None:
+                return _Redirected()
+            if isinstance(result, Response) and result.status == 304:
+                return None
+            answer = self._engine_answer("get", key, result, max_bytes)
+            if isinstance(answer, StoreError):
+                raise answer
+            if isinstance(answer, _Redirected) or not result.etag:
+                return _Redirected()
+            return Tagged(answer, result.etag)
+
+        return retry(once, backoff=self._engine_backoff(), what="conditional get %s" % key)
 
     # -- Backend ---------------------------------------------------------
 
@@ -678,6 +808,24 @@ class S3Backend:
     def _get_boto3(self, key: str, max_bytes: int | None) -> bytes:
         response = self._call("get", key, self.client.get_object, Key=self._full(key))
         return self._read_body("get", key, response, max_bytes)
+
+    def get_if_changed(self, key: str, tag: str | None, max_bytes: int | None = None) -> Tagged | None:
+        check_max_bytes(max_bytes)
+        answer = self._engine_conditional(key, tag, max_bytes)
+        if not isinstance(answer, _Redirected):
+            return answer
+        kwargs: dict[str, Any] = {"Key": self._full(key)}
+        if tag:
+            kwargs["IfNoneMatch"] = tag
+        try:
+            response = self._call("get", key, self.client.get_object, **kwargs)
+        except StoreError as err:
+            code, status = _answer_of(err)
+            if code in NOT_MODIFIED_CODES or status == 304:
+                return None
+            raise
+        data = self._read_body("get", key, response, max_bytes)
+        return Tagged(data, str(response.get("ETag") or ""))
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         full = self._full(key)
@@ -720,8 +868,12 @@ class S3Backend:
         stored, or the StoreError, on the engine's thread (keep it short;
         a bucket that answers from another region is an error here: `put`
         serves it through boto3). False, and nothing started, when the
-        engine path is not available (then call `put`)."""
-        auth = self._engine_auth()
+        engine path is not available, or no credentials now (then call
+        `put`, which retries and says why)."""
+        try:
+            auth = self._engine_auth()
+        except CredentialsUnavailable:
+            return False
         if auth is None:
             return False
         request = self._engine_build(auth, "PUT", key, bytes(data), None, None)
@@ -743,12 +895,9 @@ class S3Backend:
         try:
             self._write("put", key, self.client.put_object, Key=full, Body=data, IfNoneMatch="*")
         except StoreError as err:
-            cause = err.__cause__
-            if isinstance(cause, botocore.exceptions.ClientError):
-                code = str(cause.response.get("Error", {}).get("Code", ""))
-                status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                if code in PRECONDITION_CODES or status == 412:
-                    return False
+            code, status = _answer_of(err)
+            if code in PRECONDITION_CODES or status == 412:
+                return False
             raise
         logger.debug("put_if_absent %s (%d bytes)", self._where(key), len(data))
         return True
