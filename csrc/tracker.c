@@ -1382,6 +1382,22 @@ static enum vn_snapshot_result too_large(struct build *b, uint64_t max_db_size)
 	return VN_SNAPSHOT_TOO_LARGE;
 }
 
+/* read_current, with a failure abandoned and a file too large said:
+ * VN_SNAPSHOT_DONE to go on, else the result to return. */
+static enum vn_snapshot_result current_state(struct build *b,
+    const struct vn_snapshot_config *config)
+{
+	enum vn_snapshot_result res = read_current(b, config->max_db_size);
+
+	if (res == VN_SNAPSHOT_FAILED)
+		return abandon(b);
+	if (res == VN_SNAPSHOT_TOO_LARGE)
+		return too_large(b, config->max_db_size);
+	if (res == VN_SNAPSHOT_DONE)
+		b->t->too_large_said = 0;
+	return res;
+}
+
 /*
  * Whether the file holds the database.  SQLite writes every page it adds
  * as a frame, so a page of the committed state past the file's end has one,
@@ -1460,14 +1476,9 @@ enum vn_snapshot_result vn_tracker_snapshot_wal(struct vn_tracker *t,
 	if (!file_is_whole(&b, &r.pos))
 		return VN_SNAPSHOT_SPLIT;
 	wal_size(&b, &r.pos);
-	res = read_current(&b, config->max_db_size);
-	if (res == VN_SNAPSHOT_FAILED)
-		return abandon(&b);
-	if (res == VN_SNAPSHOT_TOO_LARGE)
-		return too_large(&b, config->max_db_size);
+	res = current_state(&b, config);
 	if (res != VN_SNAPSHOT_DONE)
 		return res;
-	t->too_large_said = 0;
 	if (stage_chunks(&b, config->bundle_chunks) != 0)
 		return abandon(&b);
 	describe_snapshot(&b);
@@ -1513,14 +1524,9 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 	    .patch_header = into_wal };
 	enum vn_snapshot_result res;
 
-	res = read_current(&b, config->max_db_size);
-	if (res == VN_SNAPSHOT_FAILED)
-		return abandon(&b);
-	if (res == VN_SNAPSHOT_TOO_LARGE)
-		return too_large(&b, config->max_db_size);
+	res = current_state(&b, config);
 	if (res != VN_SNAPSHOT_DONE)
-		return res; /* empty or WAL: nothing to snapshot */
-	t->too_large_said = 0;
+		return res; /* empty, WAL, too large or failed */
 	if (open_session(&b) != 0)
 		return abandon(&b);
 	judge_staged(&b);
