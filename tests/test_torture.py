@@ -1,11 +1,11 @@
 """Crash torture: writers (the C VFS, three processes) and copiers
 (`verneuilctl copier`, two processes) killed with SIGKILL at random moments
-for about 40 seconds, replicating into a versioned bucket of moto's server;
-once with a rollback journal into a store of the default layout, again for
-half as long into a store of the packed layout (chunks in packs, each
-manifest with their places: docs/FORMAT.md, "Packed layout"), and once in
-WAL mode (shorter by default: VERNEUIL_TORTURE_WAL_SECONDS; the WAL writers
-also checkpoint, in every mode, and autocheckpoint often).
+replicating into a versioned bucket of moto's server: into a store of the
+default layout for about 40 seconds, 30 with a rollback journal and 10 in
+WAL mode (the WAL writers also checkpoint, in every mode, and autocheckpoint
+often; VERNEUIL_TORTURE_WAL_SECONDS sets a longer WAL run), and for 20 s
+with a rollback journal into a store of the packed layout (chunks in packs,
+each manifest with their places: docs/FORMAT.md, "Packed layout").
 
 What "committed state" means here: every writer transaction starts with
 `BEGIN IMMEDIATE` (the write lock: nobody else can commit, and SQLite has
@@ -50,13 +50,14 @@ pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.skipif(not vfs_available(), reason="writer_vfs is not built")]
 
 TORTURE_SECONDS = float(os.environ.get("VERNEUIL_TORTURE_SECONDS", "40"))
-# The packed layout's run: the same protocol with another upload step, so
-# half as long keeps CI's time down (VERNEUIL_TORTURE_SECONDS sets both).
-LAYOUT_SHARE = {"chunks": 1.0, "packed": 0.5}
-# The WAL run in CI is shorter (it shares CI's 15 minutes with the rest);
-# VERNEUIL_TORTURE_WAL_SECONDS=300 is the long one.  The copier does not
-# know the journal mode: the WAL run uses the default layout only.
-WAL_TORTURE_SECONDS = float(os.environ.get("VERNEUIL_TORTURE_WAL_SECONDS", "20"))
+# Each run's share of TORTURE_SECONDS.  The default layout's copier is
+# tortured in both journal modes (the copier does not know the mode), 40 s
+# in all: 30 s with a rollback journal, 10 s in WAL mode, which keeps what
+# the WAL run adds out of CI's 15 minutes.  The packed layout's run, the
+# same protocol with another upload step, gets half.
+RUN_SHARE = {("delete", "chunks"): 0.75, ("delete", "packed"): 0.5, ("wal", "chunks"): 0.25}
+# The long WAL run (e.g. VERNEUIL_TORTURE_WAL_SECONDS=300), outside CI.
+WAL_TORTURE_SECONDS = os.environ.get("VERNEUIL_TORTURE_WAL_SECONDS")
 # The schedule of kills and checks; another seed gives another interleaving
 # (to chase a failure: VERNEUIL_TORTURE_SEED=n, many runs).
 TORTURE_SEED = int(os.environ.get("VERNEUIL_TORTURE_SEED", "20240607"))
@@ -200,7 +201,7 @@ def _integrity(data: bytes, tmp: str) -> str:
         return con.execute("PRAGMA integrity_check").fetchone()[0]
 
 
-@pytest.mark.parametrize("journal,layout", [("delete", "chunks"), ("delete", "packed"), ("wal", "chunks")])
+@pytest.mark.parametrize("journal,layout", list(RUN_SHARE))
 def test_sigkill_writers_and_copiers(s3_server, tmp_path, journal, layout):
     import writer_vfs
 
@@ -208,7 +209,9 @@ def test_sigkill_writers_and_copiers(s3_server, tmp_path, journal, layout):
         s3_server.start()
     tmp = str(tmp_path)
     store = s3_server.make_store(versioned=True, layout=layout)
-    seconds = WAL_TORTURE_SECONDS if journal == "wal" else TORTURE_SECONDS * LAYOUT_SHARE[layout]
+    seconds = TORTURE_SECONDS * RUN_SHARE[journal, layout]
+    if journal == "wal" and WAL_TORTURE_SECONDS:
+        seconds = float(WAL_TORTURE_SECONDS)
     chunk_bucket = store.chunks.bucket
     manifest_bucket = store.manifests.bucket
     admin = s3_server.admin
