@@ -2,19 +2,22 @@
 
 - verneuil_fuse.format._umash: UMASH (csrc/umash.c) for Python.
 - verneuil_fuse.reader._chunk_engine: the reader's chunk GETs in C
-  (csrc/chunk_engine.c, with libcurl, libzstd and zlib).
+  (csrc/reader/chunk_engine.c, with libcurl, libzstd and zlib).
 - writer_vfs._vfs: the VFS (csrc/) linked with the system libsqlite3, for
   Python's sqlite3 module.
 - writer_vfs/libverneuil_vfs: the same C built as a SQLite loadable extension.
 """
+import os
+
 from setuptools import Extension, setup
+
+# The C files of the VFS, listed once in csrc/vfs_sources.txt.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "vfs_sources.txt")) as _f:
+    _VFS_SOURCES = ["csrc/" + line.strip() for line in _f if line.strip() and not line.startswith("#")]
 
 # The verneuil VFS as a SQLite loadable extension (`.load` in the sqlite3
 # shell): no -lsqlite3, every SQLite call goes through sqlite3_api; only the
 # entry points are exported.
-_VFS_SOURCES = ["csrc/vfs.c", "csrc/config.c", "csrc/log.c", "csrc/tracker.c", "csrc/spool.c",
-                "csrc/names.c", "csrc/manifest_pb.c", "csrc/btree_tops.c", "csrc/umash.c",
-                "csrc/wal.c", "csrc/walrec.c"]
 _LOADABLE_VFS = Extension(
     "writer_vfs.libverneuil_vfs",
     sources=_VFS_SOURCES,

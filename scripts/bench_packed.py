@@ -38,7 +38,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from verneuil_fuse import format as fmt  # noqa: E402
-from verneuil_fuse.copier import Copier, fetch_manifest, write_snapshot  # noqa: E402
+from verneuil_fuse.copier import Copier  # noqa: E402
+from verneuil_fuse.readback import fetch_manifest, write_snapshot  # noqa: E402
 from verneuil_fuse.copier import spool as sp  # noqa: E402
 from verneuil_fuse.copier.packing import PACK_TARGET_BYTES, PackBuilder, scan_reads  # noqa: E402
 from verneuil_fuse.store import open_store  # noqa: E402

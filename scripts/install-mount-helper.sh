@@ -3,7 +3,7 @@
 # runs `verneuil` through /bin/sh with the fixed PATH
 # /usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin, so link the
 # venv's console script (or, when it is missing, a small wrapper that runs
-# `python -m verneuil_fuse.mount`) into /usr/local/sbin.
+# `python -m verneuil_fuse.cli.mount`) into /usr/local/sbin.
 #
 # Usage: scripts/install-mount-helper.sh [VENV_OR_PYTHON] [DEST_DIR]
 #   VENV_OR_PYTHON  a venv directory or its python (default: the repo's .venv)
@@ -28,8 +28,8 @@ if [ -x "$venv/bin/verneuil" ]; then
   echo "install-mount-helper: $dest -> $venv/bin/verneuil"
 else
   tmp=$(mktemp "$dest_dir/.verneuil.XXXXXX")
-  printf '#!/bin/sh\nexec %q -m verneuil_fuse.mount "$@"\n' "$python" >"$tmp"
+  printf '#!/bin/sh\nexec %q -m verneuil_fuse.cli.mount "$@"\n' "$python" >"$tmp"
   chmod 0755 "$tmp"
   mv -f "$tmp" "$dest"
-  echo "install-mount-helper: $dest runs $python -m verneuil_fuse.mount"
+  echo "install-mount-helper: $dest runs $python -m verneuil_fuse.cli.mount"
 fi

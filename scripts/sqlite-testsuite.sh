@@ -200,14 +200,16 @@ log "source: $SRC ($(cat "$SRC/.verneuil-extracted"))"
 [ "$FETCH_ONLY" -eq 0 ] || { echo "$SRC"; exit 0; }
 
 # --- 3. testfixture with the verneuil VFS -------------------------------------
-VN_SOURCES=(vfs.c config.c log.c tracker.c spool.c names.c manifest_pb.c btree_tops.c umash.c wal.c walrec.c selfcheck.c)
+# The VFS's C files (csrc/vfs_sources.txt, as its other builds read them) and the self-check.
+mapfile -t VN_SOURCES < <(grep -v '^#' "$ROOT/csrc/vfs_sources.txt" | grep .)
+VN_SOURCES+=(selfcheck.c)
 for f in "${VN_SOURCES[@]}" verneuil_vfs.h; do
 	[ -f "$ROOT/csrc/$f" ] || die 4 "csrc/$f does not exist yet"
 done
 VN_CFLAGS="-O2 -g -std=gnu11 -Wall -Wextra -fno-strict-aliasing"
 # Bump when the build steps below change (the key names the cached build).
 BUILD_RECIPE=2
-KEY="$( (cat "$ROOT"/csrc/*.c "$ROOT"/csrc/*.h "$HERE/testfixture_init.c"
+KEY="$( (cat "$ROOT"/csrc/*.c "$ROOT"/csrc/*.h "$ROOT"/csrc/vfs_sources.txt "$HERE/testfixture_init.c"
 	echo "$BUILD_RECIPE $VN_CFLAGS $DEB_VERSION") | sha256sum | cut -c1-16)"
 BUILD="$CACHE/build-$DEB_VERSION-$KEY"
 TESTFIXTURE="$BUILD/testfixture"

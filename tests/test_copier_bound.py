@@ -28,7 +28,7 @@ from support.copier_support import Writer, vfs_available
 from verneuil_fuse import format as fmt
 from verneuil_fuse.copier import Copier
 from verneuil_fuse.copier import spool as sp
-from verneuil_fuse.copier.restore import fetch_manifest, restore_bytes
+from verneuil_fuse.readback import fetch_manifest, restore_bytes
 from verneuil_fuse.store import open_store
 
 pytestmark = pytest.mark.skipif(not vfs_available(), reason="writer_vfs is not built")

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from verneuil_fuse.copier import (Copier, fetch_manifest, restore_bytes,
-                                  start_background)
+from verneuil_fuse.copier import Copier, start_background
+from verneuil_fuse.readback import fetch_manifest, restore_bytes
 from verneuil_fuse.copier import spool as sp
 from verneuil_fuse.store import open_store
 

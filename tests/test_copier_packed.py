@@ -26,7 +26,8 @@ import pytest
 from support.copier_support import Writer, vfs_available
 from support.replicas import publish_file
 from verneuil_fuse import format as fmt
-from verneuil_fuse.copier import Copier, fetch_manifest, restore_bytes
+from verneuil_fuse.copier import Copier
+from verneuil_fuse.readback import fetch_manifest, restore_bytes
 from verneuil_fuse.copier import packing
 from verneuil_fuse.copier import spool as sp
 from verneuil_fuse.store import StoreError, TransientError, open_store

@@ -16,7 +16,8 @@ import pytest
 
 from verneuil_fuse import cli
 from verneuil_fuse import format as fmt
-from verneuil_fuse.copier import Copier, fetch_manifest, restore_bytes
+from verneuil_fuse.copier import Copier
+from verneuil_fuse.readback import fetch_manifest, restore_bytes
 from verneuil_fuse.copier import spool as sp
 
 from support.pyspoolwriter import SpoolWriter

@@ -13,8 +13,8 @@ import pytest
 
 from verneuil_fuse import format as fmt
 from support.pyspoolwriter import SpoolWriter
-from verneuil_fuse.copier import (Backoff, Copier, NotASpool, Stopped,
-                                  TokenBucket, restore_bytes, fetch_manifest)
+from verneuil_fuse.copier import Backoff, Copier, NotASpool, Stopped, TokenBucket
+from verneuil_fuse.readback import fetch_manifest, restore_bytes
 from verneuil_fuse.copier import spool as sp
 from verneuil_fuse.copier.pacing import RecentSet, retry
 from verneuil_fuse.store import TransientError, open_store
@@ -146,7 +146,8 @@ def restored(store, w) -> bytes:
 def test_ready_then_staging_round_trip(env_any):
     tmp, spool, store, db, w = env_any
     on_engine = []
-    put_async = getattr(store.chunks, "put_async", None)
+    puts = store.chunks.capabilities().async_puts
+    put_async = puts.put_async if puts is not None else None
     if put_async is not None:  # S3: an unpaced copier's chunk PUTs go on the engine
 
         def counted(key, data, done):

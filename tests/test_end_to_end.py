@@ -122,6 +122,9 @@ def test_verneuilctl_query_writes_csv(chain):
     assert proc.stderr.strip().splitlines()[-1].endswith("no such column: nope"), proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 2, proc.stderr[-2000:]  # the count, the error
     assert "Traceback" not in proc.stderr
+    # Said by the driver, which compiled the SQL on the first database
+    # before starting Spark (an executor's error names its host).
+    assert "(executor host" not in proc.stderr and "query failed on %s/t00.db" % replica_dir in proc.stderr
 
 
 def test_verneuilctl_query_union_aggregates_across_databases(chain):

@@ -32,7 +32,8 @@ from support.faultproxy import KINDS, FaultProxy
 from support.replicas import HOST, Mount, fuse_unavailable, make_db, publish, wait_for
 from support.copier_support import Writer, counter_of, vfs_available
 from verneuil_fuse import format as fmt
-from verneuil_fuse.reader.fetcher import FAILED_CHUNK_TTL, HOLD_SECONDS
+from verneuil_fuse.reader.fetcher import FAILED_CHUNK_TTL
+from verneuil_fuse.reader.landing import HOLD_SECONDS
 from verneuil_fuse.copier import Backoff, Copier, start_background
 from verneuil_fuse.store import StoreError, TransientError, open_store
 
@@ -68,7 +69,7 @@ class FaultEnv:
 
     def direct_manifest(self, path: str, hostname: str = HOST) -> fmt.Manifest:
         """The current manifest of `hostname:path`, read straight from moto."""
-        from verneuil_fuse.copier import fetch_manifest
+        from verneuil_fuse.readback import fetch_manifest
         return fetch_manifest(self.direct, fmt.manifest_name(path, hostname))
 
     def close(self):
@@ -242,7 +243,7 @@ def _store_counter(fenv):
 
 
 def _latest(fenv):
-    from verneuil_fuse.copier import fetch_manifest, restore_bytes
+    from verneuil_fuse.readback import fetch_manifest, restore_bytes
     names = [o.key for o in fenv.direct.manifests.list()]
     if not names:
         return None, None

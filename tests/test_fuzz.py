@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 from support.s3server import patched_environ
 from verneuil_fuse import config as vconfig
 from verneuil_fuse import format as fmt
+from verneuil_fuse.cli.mount_options import MOUNT_OPTIONS
 from verneuil_fuse.format import manifest_pb2
 from verneuil_fuse.store import ConfigError, open_store, parse_config, store_target, target_url
 
@@ -278,7 +279,7 @@ def test_parse_chunk_name(text):
         fp = fmt.parse_chunk_name(text)
     except fmt.BadName:
         return
-    assert fmt.chunk_name(fp) == text  # only the canonical spelling is accepted
+    assert fp.name == text  # only the canonical spelling is accepted
 
 
 path_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=300)
@@ -438,10 +439,7 @@ def test_verneuil_config_env(value, how):
 
 # --------------------------------------------------------------- mount options
 
-OWN_OPTIONS = ["cache_dir", "cache_size", "mem_cache", "refresh", "readahead", "readahead_max", "cache_readahead_max",
-               "btree_prefetch", "btree_max", "concurrency", "prefetch_concurrency", "retries",
-               "timeout", "hydrate", "entry_timeout", "read_ahead_kb", "log_file", "log_level",
-               "uid", "gid", "umask", "subdir", "metrics_port", "metrics_address"]
+OWN_OPTIONS = [o.name for o in MOUNT_OPTIONS]
 FUSE_OPTIONS = ["ro", "rw", "allow_other", "allow_root", "default_permissions", "auto_unmount",
                 "debug", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "fsname", "subtype",
                 "_netdev", "nofail", "x-systemd.foo", "comment", "user", "bogus", "max_read"]
@@ -456,7 +454,8 @@ opt_items = st.lists(st.builds(lambda n, eq, v: n + (("=" + v) if eq else ""),
 
 
 def _mount_gate(argv):
-    from verneuil_fuse.mount import LIBFUSE_FLAGS, UserError, parse_args
+    from verneuil_fuse.cli.mount_options import LIBFUSE_FLAGS, parse_args
+    from verneuil_fuse.errors import UserError
 
     try:
         opts = parse_args(argv)
@@ -472,7 +471,7 @@ def _mount_gate(argv):
     for name in ("refresh", "timeout", "entry_timeout"):
         v = getattr(opts, name)
         assert math.isfinite(v) and v >= 0, (name, v)
-    for name in ("cache_size", "mem_cache", "readahead_max", "cache_readahead_max", "btree_max", "concurrency", "retries"):
+    for name in ("cache_size", "mem_cache", "readahead_max", "btree_max", "concurrency", "retries"):
         v = getattr(opts, name)
         assert (v is None and name == "concurrency") or v >= 0, name  # None: the fetcher's default for the store
     # Owner and modes the kernel's attributes can hold; a port; a subtree
@@ -596,7 +595,8 @@ def _non_dirs(path):
 def test_spool_junk(tmp_path_factory, junk, with_ready):
     """(with_ready: a second snapshot is staged while `ready` holds the first.)"""
     from support.pyspoolwriter import SpoolWriter
-    from verneuil_fuse.copier import Copier, fetch_manifest, restore_bytes
+    from verneuil_fuse.copier import Copier
+    from verneuil_fuse.readback import fetch_manifest, restore_bytes
     from verneuil_fuse.copier import spool as sp
 
     base = str(tmp_path_factory.mktemp("junk"))

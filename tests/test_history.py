@@ -23,8 +23,8 @@ import pytest
 import trio
 
 from support.replicas import HOST, Mount, fuse_unavailable, make_db, publish, wait_for
-from verneuil_fuse.copier.repair import live_chunks
-from verneuil_fuse.copier.restore import fetch_manifest
+from verneuil_fuse.readback import fetch_manifest
+from verneuil_fuse.readback.repair import live_chunks
 from verneuil_fuse.format import manifest_name
 from verneuil_fuse.history import TIMES_AT_ONCE, BadTime, format_time, newest_at, newest_at_async, parse_time
 from verneuil_fuse.store import LocalBackend, open_store

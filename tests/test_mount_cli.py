@@ -11,21 +11,38 @@ import time
 
 import pytest
 
-from verneuil_fuse import mount
+from verneuil_fuse.cli import mount, mount_options
 from verneuil_fuse.errors import UserError
 
 
 def run(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "verneuil_fuse.mount", *args],
+    return subprocess.run([sys.executable, "-m", "verneuil_fuse.cli.mount", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
 def test_help_lists_own_options():
     out = run("--help")
     assert out.returncode == 0
-    for name in ("cache_dir=", "cache_size=", "refresh=", "readahead_max=", "cache_readahead_max=", "btree_prefetch=",
+    for name in ("cache_dir=", "cache_size=", "refresh=", "readahead_max=", "btree_prefetch=",
                  "concurrency=", "hydrate", "allow_other", "deadline=", "max_db_size=", "follow=", "follow_interval="):
         assert name in out.stdout
+
+
+def test_one_table_of_options_for_the_parser_the_help_and_the_docs():
+    """Every mount option of the code's table is parsed, its default is the
+    Options' default, --help says it with its default, and docs/READER.md's
+    table is the table the code makes (scripts/mount_options_doc.py writes
+    it again)."""
+    defaults = mount.parse_args(["s", "m"])
+    out = run("--help").stdout
+    for o in mount_options.MOUNT_OPTIONS:
+        assert vars(defaults)[o.name] == o.default, o.name
+        assert o.spelled in out and "(default %s" % o.default_text.split()[0] in " ".join(out.split()), o.name
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "READER.md")) as f:
+        docs = f.read()
+    table = mount_options.docs_table()
+    assert table in docs, "docs/READER.md's table of mount options differs: run scripts/mount_options_doc.py"
+    assert docs.count("| option | default | meaning |") == 1
 
 
 def test_version():
@@ -88,7 +105,7 @@ def test_interrupt_before_the_mount_is_made(tmp_path):
     env = dict(os.environ, AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y")
     try:
         for extra in ([], ["-f"]):
-            p = subprocess.Popen([sys.executable, "-m", "verneuil_fuse.mount", url, str(tmp_path),
+            p = subprocess.Popen([sys.executable, "-m", "verneuil_fuse.cli.mount", url, str(tmp_path),
                                   "-o", "cache_size=0,timeout=30", *extra],
                                  stderr=subprocess.PIPE, text=True, env=env)
             try:
@@ -112,13 +129,13 @@ def test_option_parsing():
     assert opts.refresh == 2.0 and opts.hydrate and not opts.readahead
     assert set(opts.fuse) == {"ro", "allow_other", "dev", "suid", "default_permissions",
                               "fsname=s", "subtype=verneuil"}
-    assert mount.parse_size("64M") == 64 << 20 and mount.parse_size("100") == 100
+    assert mount_options.parse_size("64M") == 64 << 20 and mount_options.parse_size("100") == 100
     opts = mount.parse_args(["s", "m", "-o", "uid=root,gid=0,umask=027,subdir=/web1//srv/data/,metrics_port=9464"])
     assert (opts.uid, opts.gid, opts.umask, opts.subdir) == (0, 0, 0o27, "/web1/srv/data")
     assert (opts.metrics_port, opts.metrics_address) == (9464, "127.0.0.1")
     assert mount.parse_args(["s", "m", "-o", "uid=1000,umask=0"]).uid == 1000
     defaults = mount.parse_args(["s", "m"])
-    assert defaults.follow and defaults.follow_interval is None  # the follow loop's default, 0.5 s
+    assert defaults.follow and defaults.follow_interval == 0.5  # the follow loop's default
     opts = mount.parse_args(["s", "m", "-o", "follow=off,follow_interval=0"])
     assert not opts.follow and opts.follow_interval == 0
     for bad in ("follow=maybe", "follow_interval=-1", "follow_interval=soon"):
@@ -212,7 +229,7 @@ def test_profile_from_a_credentials_file_mounts(s3_server, tmp_path):
     # Without the file, the profile is nowhere (the environment's files are
     # /dev/null): the credentials above came from credentials_file.
     env = NoEnvCredentials(url, str(tmp_path / "mnt")).env()
-    out = subprocess.run([sys.executable, "-m", "verneuil_fuse.mount", url, str(tmp_path / "mnt"),
+    out = subprocess.run([sys.executable, "-m", "verneuil_fuse.cli.mount", url, str(tmp_path / "mnt"),
                           "-o", "profile=replicas,log_file=%s" % (tmp_path / "log")],
                          capture_output=True, text=True, timeout=60, env=env)
     _last_line_error(out, 3, "AWS profile 'replicas' not found")
@@ -260,7 +277,7 @@ def test_help_lists_start_up_options():
     out = run("--help")
     assert out.returncode == 0
     for name in ("profile=NAME", "credentials_file=PATH", "start_retry=SECONDS", "metrics_port=PORT",
-                 "metrics_address=ADDRESS", "uid=USER, gid=GROUP", "umask=MODE", "subdir=/HOST[/PATH]"):
+                 "metrics_address=ADDRESS", "uid=USER", "gid=GROUP", "umask=MODE", "subdir=/HOST[/PATH]"):
         assert name in out.stdout
     opts = mount.parse_args(["s", "m", "-o", "profile=replicas,credentials_file=c,start_retry=2.5"])
     assert (opts.profile, opts.credentials_file, opts.start_retry) == ("replicas", "c", 2.5)

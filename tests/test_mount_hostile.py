@@ -38,7 +38,7 @@ from verneuil_fuse.format import (
     snapshot_of,
 )
 from verneuil_fuse.format.umash import CHUNK_KEY, DIRECTORY_KEY, HEADER_KEY, fingerprint
-from verneuil_fuse.reader.catalog import SETTLE_SECONDS
+from verneuil_fuse.reader.tree import SETTLE_SECONDS
 from verneuil_fuse.store import open_store
 
 pytestmark = [pytest.mark.fuse, pytest.mark.timeout(300)]

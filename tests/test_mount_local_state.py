@@ -44,7 +44,7 @@ def _data(tag: int, size: int = 3 * 65536 + 1000) -> bytes:
 
 def _age_manifests(root: str) -> None:
     """The manifests' listed times an hour back: settled, so that a mount
-    takes them from its manifest cache (catalog.SETTLE_SECONDS)."""
+    takes them from its manifest cache (tree.SETTLE_SECONDS)."""
     old = time.time() - 3600
     for path in glob.glob(os.path.join(root, "manifests", "*")):
         os.utime(path, (old, old))

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from verneuil_fuse.reader import cache as cache_mod
+from verneuil_fuse.reader import segments as segments_mod
 from verneuil_fuse.reader.cache import RECORD, ChunkCache, encode_record
 from verneuil_fuse.format import CHUNK_SIZE, fingerprint
 
@@ -192,7 +193,7 @@ def test_size_bound_evicts_oldest_segments(tmp_path):
 
 
 def test_two_processes_share_one_directory(tmp_path, monkeypatch):
-    monkeypatch.setattr(cache_mod, "RESCAN_INTERVAL_S", 0.0)
+    monkeypatch.setattr(segments_mod, "RESCAN_INTERVAL_S", 0.0)
     a = ChunkCache(str(tmp_path), 1 << 30)
     b = ChunkCache(str(tmp_path), 1 << 30)
     items = chunks(6)
@@ -288,7 +289,7 @@ def fill(path) -> str:
 
 
 def test_the_disk_bounds_the_cache_and_keeps_its_reserve_free(small_fs, caplog, monkeypatch):
-    monkeypatch.setattr(cache_mod, "WRITE_PAUSE_S", 0.3)
+    monkeypatch.setattr(segments_mod, "WRITE_PAUSE_S", 0.3)
     reserve = int(4 * (1 << 20) * cache_mod.FREE_RESERVE_FRACTION)
     with caplog.at_level(logging.WARNING, logger="verneuil_fuse.reader.cache"):
         c = ChunkCache(str(small_fs), 1 << 30)
@@ -389,7 +390,7 @@ def test_a_cache_on_a_disk_already_past_its_reserve_gives_space_back(small_fs, c
 
 
 def test_a_removed_cache_directory_is_made_again(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(cache_mod, "RESCAN_INTERVAL_S", 0.0)
+    monkeypatch.setattr(segments_mod, "RESCAN_INTERVAL_S", 0.0)
     c = ChunkCache(str(tmp_path), 1 << 30)
     first, second = chunks(2)
     c.put(*first)
@@ -475,7 +476,7 @@ def test_slots_given_back_fetches_that_failed_and_segments_that_fill(tmp_path, m
     other = ChunkCache(str(tmp_path), 1 << 20)  # at most one segment: every other goes
     other.put(*late[1])
     assert len(files(tmp_path, ".seg")) == 1
-    monkeypatch.setattr(cache_mod, "RESCAN_INTERVAL_S", 0.0)
+    monkeypatch.setattr(segments_mod, "RESCAN_INTERVAL_S", 0.0)
     assert c.get(chunks(1, seed=25)[0][0]) is None  # a miss: c rescans ...
     assert not c.has_indexed(fps[0])  # ... and drops its segments, gone
     slot.write(*late[0])
@@ -505,3 +506,28 @@ def test_a_damaged_chunk_in_a_run_is_dropped_alone(tmp_path):
     assert [bytes(b) for k, b in enumerate(bufs) if k != 2] == [d for k, (_, d) in enumerate(items) if k != 2]
     assert c.stats["corrupt"] == 1 and not c.has_indexed(fps[2])
     c.close()
+
+
+def test_manifest_cache_keeps_the_disk_reserve(small_fs):
+    """The manifest cache shares cache_dir's disk with the chunk cache and
+    stops short of the same reserve: with the disk filled to just past the
+    reserve by another file, a blob is not kept (counted as skipped) and
+    reads answer "not cached"; once room is back, it is kept and read."""
+    from verneuil_fuse.reader.segments import disk_room
+    from verneuil_fuse.reader.manifests import WRITE_SLACK_BYTES, Cached, ManifestCache
+
+    mc = ManifestCache(str(small_fs), "store")
+    entry = Cached(size=3, mtime=1.0, fetched_at=2.0, version="ab", blob=os.urandom(64 << 10))
+    filler = small_fs / "filler"
+    with open(filler, "wb") as f:
+        f.write(bytes(max(0, disk_room(str(small_fs)) - WRITE_SLACK_BYTES)))
+    try:
+        assert disk_room(str(small_fs)) < len(entry.blob) + WRITE_SLACK_BYTES
+        mc.put("k", entry)
+        assert mc.get("k") is None and mc.stats()["skipped"] == 1
+        assert disk_room(str(small_fs)) > 0  # the reserve is still free
+        filler.unlink()
+        mc.put("k", entry)
+        assert mc.get("k") == entry and mc.stats()["skipped"] == 1
+    finally:
+        mc.close()

@@ -7,7 +7,8 @@ import random
 import trio
 
 from support.replicas import HOST, publish, publish_large_base
-from verneuil_fuse.reader.catalog import Catalog, Directory
+from verneuil_fuse.reader.catalog import Catalog
+from verneuil_fuse.reader.tree import Directory
 from verneuil_fuse.reader.paths import display_path
 from verneuil_fuse.reader.fetcher import Fetcher
 from verneuil_fuse.format import CHUNK_SIZE, manifest_name
@@ -184,7 +185,7 @@ def test_hydrate_fills_the_disk_cache(local_store, tmp_path):
     cannot be fetched and starts again HYDRATE_RETRY_SECONDS later; a new
     version is hydrated in its turn."""
     from verneuil_fuse.reader.cache import ChunkCache
-    from verneuil_fuse.reader.catalog import HYDRATE_RETRY_SECONDS
+    from verneuil_fuse.reader.hydration import HYDRATE_RETRY_SECONDS
 
     pub = publish(local_store, os.urandom(6 * CHUNK_SIZE), "/h.db")
     chunks = [fp for i, fp in enumerate(pub.manifest.chunks) if i > 0]  # chunk 0 is in the manifest
@@ -242,7 +243,7 @@ def test_hydrate_fills_the_disk_cache(local_store, tmp_path):
 
 def test_hydrate_takes_databases_a_few_at_a_time(local_store, tmp_path):
     from verneuil_fuse.reader.cache import ChunkCache
-    from verneuil_fuse.reader.catalog import HYDRATE_AT_ONCE
+    from verneuil_fuse.reader.hydration import HYDRATE_AT_ONCE
 
     for i in range(5):
         publish(local_store, os.urandom(2 * CHUNK_SIZE), "/d%d.db" % i)
@@ -329,7 +330,7 @@ def test_first_open_stores_bundled_chunks_in_the_page_cache(local_store, monkeyp
     async def go(cat: Catalog):
         nonlocal refuse
         await cat.refresh(raise_errors=True)
-        fs = VerneuilFS(cat)
+        fs = VerneuilFS(cat, entry_timeout=1.0)
         h = (await cat.lookup(1, "h")).inode
         ra, rb = await cat.lookup(h, "a.db"), await cat.lookup(h, "b.db")
         fh1 = (await fs.open(ra.inode, os.O_RDONLY, None)).fh
@@ -371,7 +372,7 @@ def test_manifests_read_on_lookup_and_parked_past_the_bound(local_store, tmp_pat
     """A poll reads names only; a lookup reads one manifest; past
     `decoded_limit` idle versions are parked and decoded again from the
     manifest cache without a GET; an open version is never parked."""
-    from verneuil_fuse.reader.catalog import Parked
+    from verneuil_fuse.reader.tree import Parked
     from verneuil_fuse.reader.manifests import ManifestCache
 
     pubs = [publish(local_store, os.urandom(CHUNK_SIZE + i), "/t/%d.db" % i) for i in range(5)]
@@ -410,7 +411,7 @@ def test_manifests_read_on_lookup_and_parked_past_the_bound(local_store, tmp_pat
 def test_parked_version_gone_from_the_store_is_stale(local_store):
     """Without a manifest cache, a parked version is read again from the
     store; when the store moved on, it is Stale (ESTALE for the open)."""
-    from verneuil_fuse.reader.catalog import Parked, Stale
+    from verneuil_fuse.reader.tree import Parked, Stale
 
     publish(local_store, os.urandom(100), "/a.db")
     publish(local_store, os.urandom(100), "/b.db")

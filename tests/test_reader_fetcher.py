@@ -13,8 +13,7 @@ from support.replicas import publish
 from verneuil_fuse.reader.cache import FORMAT_DIR, ChunkCache
 from verneuil_fuse.reader.fetcher import FetchError, Fetcher
 from verneuil_fuse.format import compress_chunk, fingerprint
-from verneuil_fuse.store import NotFound, TransientError
-from verneuil_fuse.store.s3 import DirectGets
+from verneuil_fuse.store import Capabilities, DirectGets, NotFound, TransientError
 
 
 class Faulty:
@@ -218,40 +217,24 @@ def test_hydrate(chunks, tmp_path):
     assert all(cache.get(fp) == pub.chunks[fp] for fp in fps)
 
 
-def test_prefetch_of_cached_chunks_asks_the_kernel_in_one_hop(chunks, tmp_path):
-    """Prefetching chunks already in the disk cache makes no GET: their
-    segment ranges are handed to fadvise(WILLNEED) by one thread hop for all
-    the hints queued meanwhile, after which demand finds them without a thread."""
+def test_prefetch_skips_chunks_in_the_disk_cache(chunks, tmp_path):
+    """Prefetching chunks already in the disk cache makes no GET and starts
+    no flight (the kernel's readahead of the cache's files brings them in);
+    a demand read then finds them in the cache."""
     store, fps, pub = chunks
     cache_dir = str(tmp_path / "c")
     f = Fetcher(store, ChunkCache(cache_dir, 1 << 26))
     assert run(f, lambda: f.hydrate(fps)) == len(fps)
-    seg_dir = os.path.join(cache_dir, "segments-v1")
-    for name in os.listdir(seg_dir):  # out of the page cache, where the fs allows it
-        with open(os.path.join(seg_dir, name), "rb") as seg:
-            os.posix_fadvise(seg.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     store.chunks.gets.clear()
     g = Fetcher(store, ChunkCache(cache_dir, 1 << 26))
-    calls: list[int] = []
-    advise = g.cache.advise
-    g.cache.advise = lambda batch: calls.append(len(batch)) or advise(batch)
 
     async def go():
-        for fp in fps:  # one hint per read request, as the replica gives them
-            assert g.prefetch([fp]) == 0
-        with trio.fail_after(10):
-            while g._advising:
-                await trio.sleep(0.01)
-            served = []
-            for fp in fps:
-                while (data := g.get_nowait(fp)) is None:  # read ahead by the kernel
-                    await trio.sleep(0.01)
-                served.append(bytes(data))
-        return served
+        assert g.prefetch(fps) == 0 and not g._inflight
+        return [await g.get(fp) for fp in fps]
 
     assert run(g, go) == [pub.chunks[fp] for fp in fps]
-    assert calls == [len(fps)] and g.stats["prefetch_advised"] == len(fps)
-    assert store.chunks.gets == [] and g.stats["disk_hits_inline"] == len(fps)
+    assert store.chunks.gets == [] and g.stats["prefetch_started"] == 0
+    assert g.stats["disk_hits"] == len(fps)
 
 
 def test_read_into_takes_each_chunk_from_where_it_is(chunks, tmp_path):
@@ -397,6 +380,9 @@ class SilentEngine:
         self.failures: list = []
         self.server = socket.create_server(("127.0.0.1", 0), backlog=64)
 
+    def capabilities(self):
+        return Capabilities(direct=self)
+
     def direct_gets(self):
         port = self.server.getsockname()[1]
         return DirectGets(lambda key: self.sent.append(key) or "http://127.0.0.1:%d/b/%s" % (port, key),
@@ -445,6 +431,9 @@ class RefusingEngine:
     def __init__(self, inner):
         self.inner = inner
         self.asked = 0
+
+    def capabilities(self):
+        return Capabilities(direct=self)
 
     def direct_gets(self):
         self.asked += 1

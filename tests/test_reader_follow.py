@@ -44,7 +44,7 @@ def run(store, fn):
             await catalog.refresh(raise_errors=True)
             clock = Clock()
             followers = Followers(catalog, clock=clock)
-            fs = VerneuilFS(catalog, followers=followers)
+            fs = VerneuilFS(catalog, entry_timeout=1.0, followers=followers)
             invalidated: list[int] = []
             followers.invalidate_attrs = invalidated.append
             await fn(SimpleNamespace(fs=fs, catalog=catalog, followers=followers, clock=clock,

@@ -10,8 +10,7 @@ from support.replicas import make_db, publish
 from verneuil_fuse.format import CHUNK_SIZE
 from verneuil_fuse.reader.cache import ChunkCache
 from verneuil_fuse.reader.fetcher import Fetcher
-from verneuil_fuse.reader.prefetch import (BtreeReadahead, Cursor, Hints, PrefetchConfig,
-                                           SequentialReadahead)
+from verneuil_fuse.reader.prefetch import BtreeReadahead, Cursor, PrefetchConfig, SequentialReadahead
 from verneuil_fuse.reader.replica import Replica
 
 
@@ -46,27 +45,26 @@ def test_sequential_readahead_opens_after_two_chunks_in_order_and_resets_on_a_ju
     cursor = Cursor()
     windows = []
     for chunk in range(6):  # one read per chunk, in order
-        hints = Hints()
+        hints: list[int] = []
         off = chunk * CHUNK_SIZE
         policy.hint(cursor, off, off + CHUNK_SIZE, chunk, chunk, hints)
-        assert not hints.both and not hints.advise_only
-        windows.append(hints.fetch_only)
+        windows.append(hints)
     # Chunk 0 is the first read, chunk 1 the first in order; from chunk 2
     # on, the window doubles (2, 4, 8) and each read hands on only chunks
     # not handed on before.
     assert windows[:2] == [[], []]
     assert windows[2] == [3, 4] and windows[3] == [5, 6, 7] and windows[4] == list(range(8, 13))
     assert windows[5] == [13]
-    hints = Hints()
+    hints = []
     policy.hint(cursor, 50 * CHUNK_SIZE, 51 * CHUNK_SIZE, 50, 50, hints)  # a jump: nothing, windows reset
     assert not hints and cursor.window == 0 and cursor.ahead == -1
     # The file's end bounds the window.
     end = SequentialReadahead(PrefetchConfig(readahead_initial=8), nchunks=4)
     cursor = Cursor()
-    got = Hints()
+    got: list[int] = []
     for chunk in range(3):
         end.hint(cursor, chunk * CHUNK_SIZE, (chunk + 1) * CHUNK_SIZE, chunk, chunk, got)
-    assert got.fetch_only == [3]
+    assert got == [3]
 
 
 def test_btree_readahead_needs_a_header_and_the_option():
@@ -95,27 +93,28 @@ def test_sequential_readahead(tmp_path, local_store):
     assert stats["store_fetches"] == len(pub.chunks)  # nothing fetched twice
 
 
-def _sequential_read_hints(tmp_path, store, config: PrefetchConfig):
-    """Read a 40-chunk replica in order, 2 chunks per request, with its
-    first 30 chunks in the disk cache: (hints given to the fetcher as
-    (last chunk read, chunk, fetch, advise), the fetcher's stats)."""
-    pub = publish(store, os.urandom(40 * CHUNK_SIZE), "/ra.db")
+def test_cached_chunks_are_left_to_the_kernel(tmp_path, local_store):
+    """A sequential read over a replica whose first 30 of 40 chunks are in
+    the disk cache: the cached chunks are read in the loop's thread, neither
+    fetched nor hinted to a thread; GETs of the others stay within
+    ``readahead_max`` ahead of the read."""
+    pub = publish(local_store, os.urandom(40 * CHUNK_SIZE), "/ra.db")
     index = {fp: i for i, fp in enumerate(pub.manifest.chunks)}
     cache = ChunkCache(str(tmp_path / "cache"), 1 << 30)
     for i, fp in enumerate(pub.manifest.chunks[:30]):
         cache.put(fp, pub.data[i * CHUNK_SIZE : (i + 1) * CHUNK_SIZE])
-    hints: list[tuple[int, int, bool, bool]] = []
-    fetcher = Fetcher(store, cache)
+    hints: list[tuple[int, int]] = []
+    fetcher = Fetcher(local_store, cache)
     real = fetcher.prefetch
     last = [0]
 
-    def prefetch(fps, fetch=True, advise=True):
+    def prefetch(fps, **kw):
         fps = list(fps)
-        hints.extend((last[0], index[fp], fetch, advise) for fp in fps)
-        return real(fps, fetch=fetch, advise=advise)
+        hints.extend((last[0], index[fp]) for fp in fps)
+        return real(fps, **kw)
 
     fetcher.prefetch = prefetch
-    r = replica_of(pub, fetcher, config)
+    r = replica_of(pub, fetcher, PrefetchConfig(btree=False, readahead_max=4))
 
     async def go():
         cursor = Cursor()
@@ -124,46 +123,12 @@ def _sequential_read_hints(tmp_path, store, config: PrefetchConfig):
             assert await r.read(off, 2 * CHUNK_SIZE, cursor) == pub.data[off : off + 2 * CHUNK_SIZE]
         return fetcher.stats
 
-    return hints, run(fetcher, go)
-
-
-def test_cached_chunks_left_to_the_kernel_with_cache_readahead_0(tmp_path, local_store):
-    """With cache_readahead_max=0 chunks already in the disk cache are
-    neither advised nor fetched ahead: a request's cached chunks are read in
-    the loop's thread; GETs of the others stay within ``readahead_max``."""
-    config = PrefetchConfig(btree=False, readahead_max=4, cache_readahead_max=0)
-    hints, stats = _sequential_read_hints(tmp_path, local_store, config)
-    assert hints and not any(advise for _, _, _, advise in hints)
-    assert all(i <= last + 4 for last, i, _, _ in hints)
-    assert stats["prefetch_advised"] == 0 and stats["gets"] == 10
+    stats = run(fetcher, go)
+    assert hints and all(i <= last + 4 for last, i in hints)
+    assert stats["gets"] == 10
     # The 29 cached chunks (chunk 0 is in the manifest), and those fetched
     # here that a later request found in the disk cache already.
     assert stats["disk_hits_inline"] == stats["disk_hits"] >= 29
-
-
-def test_cache_readahead_runs_ahead_of_the_store_readahead(tmp_path, local_store):
-    """With ``cache_readahead_max`` a sequential read advises chunks already
-    in the disk cache up to that many ahead (no GET: a kernel readahead of the
-    cache's files), while GETs of chunks not cached stay within
-    ``readahead_max``."""
-    config = PrefetchConfig(btree=False, readahead_max=4, cache_readahead_max=16)
-    hints, stats = _sequential_read_hints(tmp_path, local_store, config)
-    fetchable = [(last, i) for last, i, fetch, _ in hints if fetch]
-    advisable = [(last, i) for last, i, _, advise in hints if advise]
-    assert fetchable and all(i <= last + 4 for last, i in fetchable)
-    assert all(i <= last + 16 for last, i in advisable)
-    assert max(i - last for last, i in advisable) == 16  # the cache window opened fully
-    assert {i for _, i in advisable} >= set(range(6, 30))  # every cached chunk ahead, once at least
-    # Once the window is open, advised in steps of half a window or more (each
-    # step is a thread hop), not a step per read; only the file's end cuts one.
-    steps: dict[int, list[int]] = {}
-    for last, i in advisable:
-        steps.setdefault(last, []).append(i)
-    opened = min(last for last, i in advisable if i - last == 16)
-    later = [sorted(v) for last, v in steps.items() if last > opened]
-    assert later and all(len(v) >= 8 or v[-1] == 39 for v in later), steps
-    assert len(later) < len(range(opened + 2, 40, 2))  # fewer steps than reads
-    assert stats["gets"] == 10 and stats["prefetch_started"] > 0  # the 10 chunks not cached
 
 
 def test_btree_prefetch_follows_a_scan_not_a_point_query(tmp_path, local_store):

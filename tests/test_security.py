@@ -132,14 +132,15 @@ def test_symlinks_planted_in_a_store_are_not_followed(tmp_path):
     st_ = os.stat(target)
     assert (st_.st_mtime_ns, st_.st_size) == (old.st_mtime_ns, old.st_size)
     # Through the restore path too: a symlinked chunk is an error, never bytes.
-    from verneuil_fuse.copier import RestoreError, fetch_manifest, restore_bytes
+    from verneuil_fuse.readback import fetch_manifest, restore_bytes
+    from verneuil_fuse.store import ReadError
     store = open_store("file://" + os.path.join(str(tmp_path), "store"))
     data = b"SQLite format 3\x00" + os.urandom(2 * fmt.CHUNK_SIZE)
     pub = publish(store, data, "/db/x.db")
     fp = pub.manifest.chunks[1]
     os.unlink(os.path.join(root, fp.name))
     os.symlink(target, os.path.join(root, fp.name))
-    with pytest.raises(RestoreError):
+    with pytest.raises(ReadError):
         restore_bytes(store, fetch_manifest(store, pub.key))
 
 
@@ -405,7 +406,7 @@ def test_credentials_never_logged(s3_server, tmp_path):
         log = str(tmp_path / "mount-debug.log")
         mnt = str(tmp_path / "mnt")
         os.makedirs(mnt)
-        proc = subprocess.Popen([sys.executable, "-m", "verneuil_fuse.mount", url, mnt, "-f", "-o",
+        proc = subprocess.Popen([sys.executable, "-m", "verneuil_fuse.cli.mount", url, mnt, "-f", "-o",
                                  "cache_dir=%s,log_level=debug,log_file=%s" % (tmp_path / "cache", log)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         try:
@@ -436,7 +437,7 @@ def test_credentials_never_logged(s3_server, tmp_path):
             code, out = _run(["-vv"] + args[:1] + ["--store", bad] + args[1:], env)
             assert code != 0, out
             outputs["refused " + args[0]] = out
-        p = subprocess.run([sys.executable, "-m", "verneuil_fuse.mount", bad, str(tmp_path)],
+        p = subprocess.run([sys.executable, "-m", "verneuil_fuse.cli.mount", bad, str(tmp_path)],
                            capture_output=True, text=True, env=env, timeout=120)
         assert p.returncode != 0
         outputs["refused mount"] = p.stdout + p.stderr

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import format as fmt
-from .store import ENV_VAR, ConfigError, parse_config
-from .store.config import env_config_present
+from verneuil_fuse import format as fmt
+from verneuil_fuse.store import ENV_VAR, ConfigError, parse_config
+from verneuil_fuse.store.config import env_config_present
 
 SPOOL_KEY = "replication_spooling_dir"
 MAX_DB_SIZE_KEY = "max_db_size"
@@ -77,7 +77,7 @@ def copier_options(config: dict[str, Any]) -> dict[str, Any]:
                               % (COPIER_KEY, key, ", ".join(sorted(COPIER_OPTIONS))))
         try:
             out[key] = kind(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
             raise ConfigError("%s.%s must be a number" % (COPIER_KEY, key)) from None
     return out
 

@@ -48,11 +48,12 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import pyfuse3
 
-from verneuil_fuse.reader.catalog import Catalog, DbEntry, Directory, Parked, Stale, StatsFile
+from verneuil_fuse.reader.catalog import Catalog
 from verneuil_fuse.reader.fetcher import FetchError
 from verneuil_fuse.reader.follow import Follower, Followers
 from verneuil_fuse.format import CHUNK_SIZE
 from verneuil_fuse.reader.replica import Cursor, Replica
+from verneuil_fuse.reader.tree import DbEntry, Directory, Parked, Stale, StatsFile
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class VerneuilFS(pyfuse3.Operations):
         self,
         catalog: Catalog,
         *,
-        entry_timeout: float = 1.0,
+        entry_timeout: float,
         attr_timeout: float = 3600.0,
         dir_timeout: float = 1.0,
         uid: int | None = None,

@@ -24,7 +24,7 @@ seconds, ``T`` or a space between date and time, and a zone ``Z``,
 ``-2h``, ``-30m``, ``-1d``, ``-1h30m``, ``-90s``, ``-1w``.  `format_time`
 writes the form `parse_time` reads back to the nanosecond (UTC, ``Z``).
 
-Used by `verneuilctl versions` / `restore --at` (through `copier.versions`,
+Used by `verneuilctl versions` / `restore --at` (through `readback.versions`,
 which reads the versions from the store) and by the mount's past states
 (`reader.past`, through `newest_at_async`).
 """

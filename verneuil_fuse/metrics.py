@@ -37,8 +37,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-from .format import parse_manifest_name
-from .format.names import MANGLE_KEEP
+from verneuil_fuse.format import parse_manifest_name
+from verneuil_fuse.format.names import MANGLE_KEEP
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,6 @@ MOUNT_SERIES: tuple[Series, ...] = tuple(
         "prefetch_skipped": "prefetches not needed (cached or under way)",
         "prefetch_dropped": "prefetches dropped past the bound on prefetch flights",
         "prefetch_fetched": "chunks prefetched from the store",
-        "prefetch_advised": "cached chunks advised to the kernel ahead of reads",
         "prefetch_hits": "reads served by a prefetched chunk", "manifest_gets": "manifest GETs",
         "lists": "listings of the store", "too_large": "store objects refused for their size",
         "failed_fast": "reads failed at once after a recent give-up on the same chunk",
@@ -169,7 +168,8 @@ MOUNT_SERIES: tuple[Series, ...] = tuple(
         "cache_dropped": "manifest cache entries that did not decode, dropped and read from the store"})
     + _counters("catalog.manifest_cache", "verneuil_catalog_manifest_cache_", {
         "hits": "manifests read from the manifest cache on disk", "misses": "manifests it did not hold",
-        "errors": "manifest cache operations that failed"})
+        "errors": "manifest cache operations that failed",
+        "skipped": "manifests not kept: their disk had no room left past its reserve"})
     + [
         _s("databases.len", "verneuil_database_size_bytes", GAUGE, "size of the version served"),
         _s("databases.chunks", "verneuil_database_chunks", GAUGE, "chunks of the version served"),

@@ -15,7 +15,7 @@ import sqlite3
 import urllib.parse
 from typing import Optional, Tuple
 
-from ._vfs import ffi, lib
+from writer_vfs._vfs import ffi, lib
 
 VFS_NAME = "verneuil"
 

@@ -12,9 +12,10 @@ from cffi import FFI
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CSRC = os.path.join(_ROOT, "csrc")
 
-# The C files of the VFS, shared with the loadable extension in setup.py.
-SOURCES = ["vfs.c", "config.c", "log.c", "tracker.c", "spool.c", "names.c", "manifest_pb.c",
-           "btree_tops.c", "umash.c", "wal.c", "walrec.c"]
+# The C files of the VFS, listed once in csrc/vfs_sources.txt (setup.py and
+# scripts/sqlite-testsuite.sh read them there too).
+with open(os.path.join(_CSRC, "vfs_sources.txt")) as _f:
+    SOURCES = [line.strip() for line in _f if line.strip() and not line.startswith("#")]
 CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-Wextra"]
 
 ffibuilder = FFI()

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from support.pyspoolwriter import SpoolWriter
-from verneuil_fuse.copier import restore_bytes, fetch_manifest
+from verneuil_fuse.readback import fetch_manifest, restore_bytes
 
 
 def vfs_available() -> bool:
@@ -119,10 +119,10 @@ def counter_of(data: bytes, tmpdir: str) -> int:
 
 def store_counter(store, name: str, tmpdir: str, version_id=None):
     """Counter of the store's snapshot (None if there is none yet)."""
-    from verneuil_fuse.copier import RestoreError
+    from verneuil_fuse.store import ReadError
     try:
         m = fetch_manifest(store, name, version_id)
-    except RestoreError:
+    except ReadError:
         return None
     return counter_of(restore_bytes(store, m), tmpdir)
 

@@ -323,7 +323,7 @@ class Mount(FuseProcess):
     def command(self) -> list[str]:
         import sys
 
-        cmd = [sys.executable, "-m", "verneuil_fuse.mount", self.source, self.mountpoint, "-f"]
+        cmd = [sys.executable, "-m", "verneuil_fuse.cli.mount", self.source, self.mountpoint, "-f"]
         if self.options:
             cmd += ["-o", self.options]
         return cmd

@@ -14,7 +14,7 @@ import subprocess
 from typing import Iterable, Optional
 
 from verneuil_fuse.format import (CHUNK_SIZE, PATH_KEY, ZERO_CHUNK_FPRINT,
-                                  Fprint, chunk_name, decode_and_validate,
+                                  Fprint, decode_and_validate,
                                   fingerprint, hash64, manifest_name)
 
 ZERO_CHUNK = bytes(CHUNK_SIZE)
@@ -68,7 +68,7 @@ def chunk_dirs(db_dir: str, extra: Iterable[str] = ()) -> list[str]:
 
 def find_chunk(fp: Fprint, dirs: Iterable[str]) -> Optional[bytes]:
     for d in dirs:
-        path = os.path.join(d, chunk_name(fp))
+        path = os.path.join(d, fp.name)
         try:
             with open(path, "rb") as f:
                 return f.read()

@@ -1,4 +1,6 @@
-"""`verneuilctl`: replicate, inspect and restore SQLite databases.
+"""The two programs: `verneuilctl` (this package's `main`: replicate,
+inspect and restore SQLite databases) and `verneuil` (`cli.mount`: mount a
+store's replicas, with its options in `cli.mount_options`).
 
 Subcommands (each has --help):
 
@@ -28,7 +30,10 @@ manifest-name, sqlite-extension), copier_cmds (copier, flush, sync, lag),
 store_cmds (ls, manifest, restore), history_cmds (versions, restore --at),
 repair_cmds (repair), convert_cmds (convert), query (query, with Spark); this module runs one
 command: main() parses, sets up logging and turns every error into one line
-on stderr and an exit code (verneuil_fuse/errors.py).
+on stderr and an exit code (verneuil_fuse/errors.py). The mount: mount (the
+program: checks, logging, the layers it serves from, daemonising, signals)
+and mount_options (the table of its options, the parser, --help and the
+docs' table).
 """
 from __future__ import annotations
 
@@ -36,10 +41,10 @@ import logging
 import sys
 from typing import Optional
 
-from ..errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UserError
-from .common import print_error
-from .parser import build_parser, relative_at
-from .repair_cmds import EXIT_REPAIRABLE, EXIT_UNREPAIRABLE
+from verneuil_fuse.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UserError
+from verneuil_fuse.cli.common import print_error
+from verneuil_fuse.cli.parser import build_parser, relative_at
+from verneuil_fuse.cli.repair_cmds import EXIT_REPAIRABLE, EXIT_UNREPAIRABLE
 
 __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REPAIRABLE", "EXIT_UNREPAIRABLE",
            "EXIT_USAGE", "UserError", "build_parser", "main"]
@@ -48,7 +53,7 @@ __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REPAIRABLE", "EXIT
 def _setup_logging(verbose: int, quiet: bool) -> None:
     level = logging.ERROR if quiet else (
         logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
-    from ..logs import formatter
+    from verneuil_fuse.logs import formatter
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter("verneuilctl", sys.stderr))
     logging.basicConfig(level=level, handlers=[handler])
@@ -71,9 +76,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         # what an operator reads in its log, so INFO is its default.
         args.verbose = max(args.verbose, 1)
     _setup_logging(args.verbose, args.quiet)
-    from ..copier import NotASpool, RestoreError, Stopped
-    from ..format import BadName, ChunkError, ManifestError
-    from ..store import ConfigError, StoreError
+    from verneuil_fuse.copier import NotASpool, Stopped
+    from verneuil_fuse.format import BadName, ChunkError, ManifestError
+    from verneuil_fuse.store import ConfigError, ReadError, StoreError
     try:
         return args.func(args)
     except UserError as e:
@@ -85,7 +90,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except NotASpool as e:
         print_error(str(e))
         return EXIT_USAGE
-    except (StoreError, RestoreError, ManifestError, ChunkError, BadName, TimeoutError) as e:
+    except (StoreError, ReadError, ManifestError, ChunkError, BadName, TimeoutError) as e:
         print_error(str(e))
         return EXIT_ERROR
     except Stopped:

@@ -1,7 +1,7 @@
 """`python -m verneuil_fuse.cli ARGS`: verneuilctl ARGS."""
 import sys
 
-from . import main
+from verneuil_fuse.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

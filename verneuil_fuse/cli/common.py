@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from ..errors import EXIT_USAGE, UserError
+from verneuil_fuse.errors import EXIT_USAGE, UserError
 
 log = logging.getLogger("verneuilctl")
 
@@ -23,8 +23,8 @@ def store_from_args(args, required: bool = True, read_only: bool = False):
     """The store of --store (else VERNEUIL_CONFIG); None if not required and
     nothing is configured.  `read_only`: a missing directory store is an
     error instead of being created."""
-    from ..store import StoreError, open_store, parse_config, store_target
-    from ..store.config import env_config_present
+    from verneuil_fuse.store import StoreError, open_store, parse_config, store_target
+    from verneuil_fuse.store.config import env_config_present
     if not required and args.store is None and not env_config_present():
         return None
     try:
@@ -40,7 +40,7 @@ def store_from_args(args, required: bool = True, read_only: bool = False):
 
 
 def spool_from_args(args) -> str:
-    from .. import config
+    from verneuil_fuse import config
     return config.spool_dir(args.spool, args.store)
 
 
@@ -58,7 +58,7 @@ def read_input(path: str, max_bytes: Optional[int] = None) -> bytes:
 
 def manifest_key(args) -> str:
     """The manifest name from -m, or from --hostname/-s."""
-    from .. import format as fmt
+    from verneuil_fuse import format as fmt
     if getattr(args, "manifest", None):
         if fmt.parse_manifest_name(args.manifest) is None:
             raise UserError("%r is not a manifest name" % args.manifest, EXIT_USAGE)
@@ -72,27 +72,30 @@ def manifest_key(args) -> str:
                     "-m/--manifest NAME or --manifest-file FILE", EXIT_USAGE)
 
 
+def store_reads(args, store):
+    """The reads of `store` bounded by --max-db-size (default
+    `format.DEFAULT_MAX_DB_SIZE`), their refusals saying how to raise it."""
+    from verneuil_fuse import format as fmt
+    from verneuil_fuse.readback.restore import RAISE_LIMIT_HINT
+    from verneuil_fuse.store import Reads
+    return Reads(store, max_db_size=getattr(args, "max_db_size", None) or fmt.DEFAULT_MAX_DB_SIZE,
+                 hint=RAISE_LIMIT_HINT)
+
+
 def load_manifest(args, store):
     """(name, Manifest) from --manifest-file, -m, or --hostname + -s; no
     manifest larger than --max-db-size allows is read past that bound."""
-    from .. import format as fmt
-    from ..copier.restore import RAISE_LIMIT_HINT, decode_manifest, fetch_manifest
-    max_db_size = getattr(args, "max_db_size", None) or fmt.DEFAULT_MAX_DB_SIZE
     if getattr(args, "manifest_file", None):
-        limit = fmt.manifest_blob_limit(max_db_size)
-        blob = read_input(args.manifest_file, max_bytes=limit)
-        if len(blob) > limit:
-            raise UserError("manifest file %s is larger than %d bytes, the limit for databases "
-                            "of up to %s (max_db_size); %s"
-                            % (args.manifest_file, limit, fmt.format_size(max_db_size),
-                               RAISE_LIMIT_HINT))
-        return os.path.basename(args.manifest_file), decode_manifest(
-            blob, store, "manifest file %s" % args.manifest_file, max_db_size=max_db_size)
+        reads = store_reads(args, store)
+        what = "manifest file %s" % args.manifest_file
+        blob = read_input(args.manifest_file, max_bytes=reads.manifest_limit)
+        if len(blob) > reads.manifest_limit:
+            raise UserError(str(reads.manifest_too_large(what, None)))
+        return os.path.basename(args.manifest_file), reads.load_blob(blob, what)
     if store is None:
         store = store_from_args(args, read_only=True)
     name = manifest_key(args)
-    return name, fetch_manifest(store, name, getattr(args, "version_id", None),
-                                max_db_size=max_db_size)
+    return name, store_reads(args, store).load(name, getattr(args, "version_id", None))
 
 
 def fmt_time(seconds: float) -> str:

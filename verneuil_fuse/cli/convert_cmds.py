@@ -6,8 +6,8 @@ after an interruption and it goes on where it stopped; a progress line per
 database while it runs, one result line each when done."""
 from __future__ import annotations
 
-from ..errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, UserError
-from .common import PhaseProgress, fmt_size, manifest_key, print_error, store_from_args
+from verneuil_fuse.errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, UserError
+from verneuil_fuse.cli.common import PhaseProgress, fmt_size, manifest_key, print_error, store_from_args
 
 
 def _convert_targets(args, store) -> list[str]:
@@ -21,8 +21,8 @@ def _convert_targets(args, store) -> list[str]:
 
 
 def cmd_convert(args) -> int:
-    from ..copier.convert import DEFAULT_WORKERS, convert_database
-    from ..copier.restore import RestoreError
+    from verneuil_fuse.copier.convert import DEFAULT_WORKERS, convert_database
+    from verneuil_fuse.store import ReadError
     workers = DEFAULT_WORKERS if args.workers is None else args.workers
     if workers < 1:
         raise UserError("--workers must be at least 1", EXIT_USAGE)
@@ -37,7 +37,7 @@ def cmd_convert(args) -> int:
             progress = PhaseProgress(label, not args.quiet)
             try:
                 r = convert_database(store, name, args.to, workers=workers, progress=progress)
-            except RestoreError as e:
+            except ReadError as e:
                 progress.finish()
                 print_error("%s: %s" % (name, e))
                 failed += 1

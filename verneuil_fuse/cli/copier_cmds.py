@@ -12,8 +12,8 @@ import threading
 import time
 from typing import Optional
 
-from ..errors import EXIT_OK, UserError
-from .common import Progress, fmt_size, log, print_json, spool_from_args, store_from_args
+from verneuil_fuse.errors import EXIT_OK, UserError
+from verneuil_fuse.cli.common import Progress, fmt_size, log, print_json, spool_from_args, store_from_args
 
 
 # A one-off `flush` or `sync` ships at the store's speed: no pacing (that is
@@ -34,7 +34,7 @@ def _copier_kwargs(args, cfg: dict, one_off: bool = False) -> dict:
     """Copier options: the command line, else the config's `copier` object
     (the daemon's); `one_off` (flush, sync) ships unpaced with more workers
     unless the command line says otherwise."""
-    from .. import config
+    from verneuil_fuse import config
     kw = config.copier_options(cfg)
     kw["max_db_size"] = config.max_db_size(cfg)
     if one_off:
@@ -47,8 +47,8 @@ def _copier_kwargs(args, cfg: dict, one_off: bool = False) -> dict:
 
 
 def _make_copier(args, one_off: bool = False, **extra):
-    from .. import config
-    from ..copier import Copier
+    from verneuil_fuse import config
+    from verneuil_fuse.copier import Copier
     spool = spool_from_args(args)
     store = store_from_args(args)
     cfg = config.load_optional(args.store)
@@ -88,7 +88,7 @@ def _run_copier(args, stop_event: threading.Event, started) -> None:
     exporter = None
     try:
         if args.metrics_port is not None:
-            from ..copier.exporter import MetricsServer
+            from verneuil_fuse.copier.exporter import MetricsServer
             try:
                 exporter = MetricsServer(copier, args.metrics_port, args.metrics_address)
             except OSError as e:
@@ -156,8 +156,8 @@ def _flush_with_progress(args, copier, names: Optional[set] = None) -> None:
     `FLUSH_PROGRESS_LOG_SECONDS` when stderr is not a terminal), and the end
     of the flush once nothing was uploaded for `--stall-timeout` seconds.
     Errors name the option that ended it."""
-    from ..copier import Stopped
-    from ..copier.status import spool_status
+    from verneuil_fuse.copier import Stopped
+    from verneuil_fuse.copier.status import spool_status
     progress = Progress(not args.quiet)
     total = sum(db["pending_bytes"] for db in spool_status(copier.spool_dir)
                 if names is None or db["dbdir"] in names)
@@ -254,10 +254,9 @@ def _force_snapshot(path: str, spool: str, verbose: bool = False) -> dict:
 
 def _staged_matches(db, path: str) -> bool:
     """Whether the staged manifest of `db` describes the file at `path` now."""
-    from .. import format as fmt
-    from ..copier import spool as sp
-    from ..format import manifest_pb2
-    from ..copier.source import committed_header
+    from verneuil_fuse import format as fmt
+    from verneuil_fuse.copier import spool as sp
+    from verneuil_fuse.copier.source import committed_header
     meta = db.sub(sp.STAGING, sp.META)
     raw = committed_header(path)
     if raw is None:
@@ -266,20 +265,18 @@ def _staged_matches(db, path: str) -> bool:
     for name in sp.listdir_or_empty(meta):
         # Only the header fingerprint is needed: no full validation (which a
         # manifest XOR-ed with a base chunk could not pass without the store).
-        top = manifest_pb2.Manifest()
         try:
             with open(os.path.join(meta, name), "rb") as f:
-                top.ParseFromString(f.read())
-        except Exception:
+                staged = fmt.stored_fields(f.read())
+        except (OSError, fmt.ManifestError):
             continue
-        fp = top.v1.header_fprint
-        if (fp.major, fp.minor) == tuple(header):
+        if staged.header_fprint == header:
             return True
     return False
 
 
 def cmd_sync(args) -> int:
-    from ..copier import spool as sp
+    from verneuil_fuse.copier import spool as sp
     spool = spool_from_args(args)
     sp.check_spool(spool, create=True)
     wanted = set()
@@ -339,8 +336,8 @@ def lag_state(db: dict, max_lag: float) -> tuple[str, bool]:
 
 
 def cmd_lag(args) -> int:
-    from .. import config
-    from ..copier.status import spool_status
+    from verneuil_fuse import config
+    from verneuil_fuse.copier.status import spool_status
     spool = spool_from_args(args)
     bound = config.max_db_size(config.load_optional(args.store))
     store = None

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import EXIT_OK, EXIT_USAGE, UserError
-from .common import fmt_size, log, manifest_key, print_json, print_table, store_from_args
+from verneuil_fuse.errors import EXIT_OK, EXIT_USAGE, UserError
+from verneuil_fuse.cli.common import (fmt_size, log, manifest_key, print_json, print_table, store_from_args,
+                                      store_reads)
 
 # `versions` exits with this when the latest version misses chunks or
 # cannot be read: the database as it is now cannot be restored or read.
@@ -16,7 +17,7 @@ EXIT_INCOMPLETE = 3
 
 def parse_at(text: str) -> int:
     """--at TIME in nanoseconds since the epoch (history.parse_time)."""
-    from ..history import BadTime, parse_time
+    from verneuil_fuse.history import BadTime, parse_time
     try:
         return parse_time(text)
     except BadTime as e:
@@ -26,16 +27,14 @@ def parse_at(text: str) -> int:
 def pick_version_at(args, store) -> None:
     """Set args.version_id to the version of the database current at
     --at (the newest whose time is at or before it)."""
-    from .. import format as fmt
-    from ..copier.versions import version_at
-    from ..history import format_time
+    from verneuil_fuse.readback.versions import version_at
+    from verneuil_fuse.history import format_time
     at_ns = parse_at(args.at)
     name = manifest_key(args)
-    version, infos = version_at(store, name, at_ns,
-                                max_db_size=args.max_db_size or fmt.DEFAULT_MAX_DB_SIZE)
+    reads = store_reads(args, store)
+    version, infos = version_at(reads, name, at_ns)
     if not infos:
-        raise UserError("no such replicated database in %s: manifest %s"
-                        % (store.manifests.describe(), name))
+        raise UserError("no such replicated database in %s: manifest %s" % (reads.where_manifests(), name))
     if version is None:
         raise UserError("no version of %s is as old as %s (%d versions; see verneuilctl versions)"
                         % (name, format_time(at_ns), len(infos)))
@@ -46,17 +45,15 @@ def pick_version_at(args, store) -> None:
 
 def cmd_versions(args) -> int:
     """Every stored version of one database, oldest first."""
-    from .. import format as fmt
-    from ..copier.versions import check_chunks, list_history, load_all
+    from verneuil_fuse.readback.versions import check_chunks, load_all
     store = store_from_args(args, read_only=True)
     try:
         name = manifest_key(args)
-        infos = list_history(store, name)
+        reads = store_reads(args, store)
+        infos = reads.versions(name)
         if not infos:
-            raise UserError("no such replicated database in %s: manifest %s"
-                            % (store.manifests.describe(), name))
-        versions = load_all(store, name, infos, workers=args.workers,
-                            max_db_size=args.max_db_size or fmt.DEFAULT_MAX_DB_SIZE)
+            raise UserError("no such replicated database in %s: manifest %s" % (reads.where_manifests(), name))
+        versions = load_all(reads, name, infos, workers=args.workers)
         if not args.no_check:
             check_chunks(store, versions, workers=args.workers)
     finally:

@@ -8,21 +8,21 @@ import argparse
 import re
 from typing import NamedTuple
 
-from .. import __version__
-from .convert_cmds import cmd_convert
-from .copier_cmds import (DEFAULT_MAX_LAG, EXIT_LAGGING, FLUSH_STALL_SECONDS, FLUSH_WORKERS, cmd_copier,
-                          cmd_flush, cmd_lag, cmd_sync)
-from .history_cmds import EXIT_INCOMPLETE, cmd_versions
-from .query import cmd_query
-from .repair_cmds import cmd_repair
-from .store_cmds import cmd_ls, cmd_manifest, cmd_restore
-from .tools import cmd_fingerprint, cmd_manifest_name, cmd_sqlite_extension
+from verneuil_fuse import __version__
+from verneuil_fuse.cli.convert_cmds import cmd_convert
+from verneuil_fuse.cli.copier_cmds import (DEFAULT_MAX_LAG, EXIT_LAGGING, FLUSH_STALL_SECONDS, FLUSH_WORKERS,
+                                           cmd_copier, cmd_flush, cmd_lag, cmd_sync)
+from verneuil_fuse.cli.history_cmds import EXIT_INCOMPLETE, cmd_versions
+from verneuil_fuse.cli.query import cmd_query
+from verneuil_fuse.cli.repair_cmds import cmd_repair
+from verneuil_fuse.cli.store_cmds import cmd_ls, cmd_manifest, cmd_restore
+from verneuil_fuse.cli.tools import cmd_fingerprint, cmd_manifest_name, cmd_sqlite_extension
 
 
 def relative_at(argv: list[str]) -> list[str]:
     """`--at -2h` as `--at=-2h`: argparse takes a value starting with '-'
     that is not a number for an option."""
-    from ..history import RELATIVE_RE
+    from verneuil_fuse.history import RELATIVE_RE
     out: list[str] = []
     for arg in argv:
         if out and out[-1] == "--at" and RELATIVE_RE.match(arg):

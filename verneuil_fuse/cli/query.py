@@ -6,12 +6,12 @@ from __future__ import annotations
 import logging
 import os
 
-from ..errors import EXIT_OK, EXIT_USAGE, UserError
+from verneuil_fuse.errors import EXIT_OK, EXIT_USAGE, UserError
 
 
 def cmd_query(args) -> int:
     try:
-        from .. import spark
+        from verneuil_fuse import spark
     except ImportError as e:
         raise UserError("query needs PySpark (pip install 'verneuil_fuse[spark]'): %s" % e)
     if args.verbose < 2:

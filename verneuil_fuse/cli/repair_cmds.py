@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
-from ..errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, UserError
-from .common import PhaseProgress, log, print_error, print_json, spool_from_args, store_from_args
+from verneuil_fuse.errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, UserError
+from verneuil_fuse.cli.common import PhaseProgress, log, print_error, print_json, spool_from_args, store_from_args
 
 
 # `repair` exit codes besides EXIT_OK, EXIT_ERROR and EXIT_USAGE (docs/COPIER.md).
@@ -19,8 +19,8 @@ EXIT_REPAIRABLE = 4    # --dry-run only: chunks are missing, and a real run woul
 REPAIR_LISTED = 10
 def _repair_targets(args) -> list[tuple[str, str]]:
     """(source path, manifest name) of each database to repair."""
-    from .. import format as fmt
-    from ..copier.repair import spool_databases
+    from verneuil_fuse import format as fmt
+    from verneuil_fuse.copier.spool import spool_databases
     paths = list(args.db) + list(args.source_path or [])
     if args.all:
         if paths:
@@ -59,8 +59,8 @@ def _repair_advice(report) -> str:
 
 
 def cmd_repair(args) -> int:
-    from ..copier.repair import DEFAULT_WORKERS, NoManifest, repair_database
-    from ..copier.restore import RestoreError
+    from verneuil_fuse.readback.repair import DEFAULT_WORKERS, NoManifest, repair_database
+    from verneuil_fuse.store import ReadError
     workers = DEFAULT_WORKERS if args.workers is None else args.workers
     if workers < 1:
         raise UserError("--workers must be at least 1", EXIT_USAGE)
@@ -81,7 +81,7 @@ def cmd_repair(args) -> int:
                 failed.append((source, name, "nothing to repair: %s (was it replicated to this "
                                "store, from this host? `verneuilctl ls` lists what the store "
                                "holds)" % e))
-            except RestoreError as e:
+            except ReadError as e:
                 failed.append((source, name, str(e)))
             except OSError as e:
                 failed.append((source, name, "cannot read it: %s" % (e.strerror or e)))

@@ -9,10 +9,10 @@ import os
 import sys
 from typing import Optional
 
-from ..errors import EXIT_OK, EXIT_USAGE, UserError
-from .common import (Progress, fmt_size, fmt_time, load_manifest, log, print_json, print_table,
-                     store_from_args)
-from .history_cmds import parse_at, pick_version_at
+from verneuil_fuse.errors import EXIT_OK, EXIT_USAGE, UserError
+from verneuil_fuse.cli.common import (Progress, fmt_size, fmt_time, load_manifest, log, print_json,
+                                      print_table, store_from_args, store_reads)
+from verneuil_fuse.cli.history_cmds import parse_at, pick_version_at
 
 
 def _check_restore_target(path: str, force: bool) -> None:
@@ -31,7 +31,7 @@ def _check_restore_target(path: str, force: bool) -> None:
 
 def cmd_restore(args) -> int:
     import tempfile
-    from ..copier.restore import restore_to_path, write_snapshot
+    from verneuil_fuse.readback.restore import restore_to_path, write_snapshot
     if args.at is not None:  # refused before anything else: a bad time, two ways to pick
         parse_at(args.at)
         if args.version_id:
@@ -75,45 +75,34 @@ def cmd_restore(args) -> int:
     return EXIT_OK
 
 
-def _ls_entry(store, info, versions: bool, max_db_size: Optional[int] = None) -> dict:
-    from .. import format as fmt
-    from ..copier.restore import RAISE_LIMIT_HINT, RestoreError, decode_manifest
-    from ..store import NotFound, TooLarge
-    max_db_size = max_db_size or fmt.DEFAULT_MAX_DB_SIZE
+def _ls_entry(reads, info, versions: bool) -> dict:
+    from verneuil_fuse import format as fmt
+    from verneuil_fuse.store import ReadError
     parsed = fmt.parse_manifest_name(info.key)
     entry: dict = {"name": info.key, "hostname": parsed.hostname if parsed else None,
                    "path": parsed.path if parsed else None,
                    "blob_size": info.size, "mtime": info.mtime}
     if parsed is not None and parsed.mangled:
         entry["path"] = "%s...%s" % (parsed.prefix, parsed.suffix)
-    limit = fmt.manifest_blob_limit(max_db_size)
     try:
         # Bounded by max_db_size: an over-large object is an error for its
         # entry, never read whole.
-        blob = store.manifests.get(info.key, max_bytes=limit)
-        m = decode_manifest(blob, store, "manifest %s" % info.key, max_db_size=max_db_size)
+        m = reads.load(info.key)
         entry.update(size=m.len, ctime=m.ctime + m.ctime_ns / 1e9, chunks=len(m.chunks))
-    except NotFound:
-        entry.update(error="deleted while listing")
-    except TooLarge as e:
-        size = "%d bytes" % e.size if e.size is not None else "larger"
-        entry.update(error="manifest is %s, more than the %d-byte limit for databases of up "
-                           "to %s (max_db_size); %s"
-                           % (size, limit, fmt.format_size(max_db_size), RAISE_LIMIT_HINT))
-    except RestoreError as e:
-        entry.update(error=str(e))
+    except ReadError as e:
+        entry.update(error="deleted while listing" if e.missing else str(e))
     if versions:
-        entry["versions"] = len(store.manifests.list_versions(info.key))
+        entry["versions"] = len(reads.versions(info.key))
     return entry
 
 
 def cmd_ls(args) -> int:
     store = store_from_args(args, read_only=True)
     try:
-        prefix = ""
+        reads = store_reads(args, store)
         entries = []
-        for info in sorted(store.manifests.list(prefix), key=lambda i: i.key):
-            entry = _ls_entry(store, info, not args.no_versions, args.max_db_size)
+        for info in sorted(reads.names(), key=lambda i: i.key):
+            entry = _ls_entry(reads, info, not args.no_versions)
             if args.hostname is not None and entry["hostname"] != args.hostname:
                 continue
             entries.append(entry)
@@ -142,15 +131,21 @@ def _say_why_empty(store, hostname: Optional[str]) -> None:
     with both prefixes, where Verneuil's layout has two buckets)."""
     where = store.manifests.describe()
     text = "no replicated databases%s in %s" % (" of host %s" % hostname if hostname else "", where)
-    bucket = getattr(store.chunks, "bucket", None)
-    if bucket is not None and bucket == getattr(store.manifests, "bucket", None):
+    if _s3_bucket(store.chunks) is not None and _s3_bucket(store.chunks) == _s3_bucket(store.manifests):
         text += ("; this URL names one bucket for chunks and manifests (no manifest_bucket=): "
                  "if the manifests are in a bucket of their own, add manifest_bucket=NAME")
     print("verneuilctl: %s" % text, file=sys.stderr)
 
 
+def _s3_bucket(backend) -> Optional[str]:
+    """The bucket of an S3 backend, from its `Backend.identity`
+    (``s3://bucket/prefix``); None for any other backend."""
+    where = backend.identity()
+    return where[len("s3://"):].split("/", 1)[0] if where.startswith("s3://") else None
+
+
 def _manifest_dict(name: str, m) -> dict:
-    from .. import format as fmt
+    from verneuil_fuse import format as fmt
     parsed = fmt.parse_manifest_name(name)
     distinct = set(m.chunks)
     return {
@@ -176,7 +171,7 @@ def _manifest_dict(name: str, m) -> dict:
 
 
 def cmd_manifest(args) -> int:
-    from .. import format as fmt
+    from verneuil_fuse import format as fmt
     store = None
     store = store_from_args(args, required=not args.manifest_file, read_only=True)
     try:

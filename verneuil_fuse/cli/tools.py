@@ -4,12 +4,12 @@
 `sqlite-extension` (the path of the writer's loadable SQLite extension)."""
 from __future__ import annotations
 
-from ..errors import EXIT_OK, EXIT_USAGE, UserError
-from .common import read_input
+from verneuil_fuse.errors import EXIT_OK, EXIT_USAGE, UserError
+from verneuil_fuse.cli.common import read_input
 
 
 def _key_bytes(key: str) -> bytes:
-    from .. import format as fmt
+    from verneuil_fuse import format as fmt
     if key in fmt.KEYS:
         return fmt.KEYS[key]
     raw = key.encode("utf-8")
@@ -20,7 +20,7 @@ def _key_bytes(key: str) -> bytes:
 
 
 def cmd_fingerprint(args) -> int:
-    from .. import format as fmt
+    from verneuil_fuse import format as fmt
     key = _key_bytes(args.key)
     data = read_input(args.file)
     if args.chunks:
@@ -40,7 +40,7 @@ def cmd_fingerprint(args) -> int:
 
 
 def cmd_manifest_name(args) -> int:
-    from .. import format as fmt
+    from verneuil_fuse import format as fmt
     if not args.path:
         raise UserError("PATH is empty", EXIT_USAGE)
     try:

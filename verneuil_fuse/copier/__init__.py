@@ -9,7 +9,8 @@ Public API:
   blocks commits.  `.stop(timeout)`, `.wake()`, `.flush(timeout)`, `.stats`;
   also a context manager.  `spool`/`store` default to VERNEUIL_CONFIG.
 - `spool_status(spool_dir, store=None)`: per-database lag report.
-- restore helpers: `fetch_manifest`, `restore_to_path`, `restore_bytes`.
+
+What reads a store back (restore, versions, repair) is `verneuil_fuse.readback`.
 """
 from __future__ import annotations
 
@@ -17,20 +18,17 @@ import logging
 import threading
 from typing import Optional
 
-from .copier import BadSnapshot, Copier, CopierStats, OtherStore
-from .pacing import DEFAULT_BURST, DEFAULT_RATE, Backoff, Stopped, TokenBucket
-from .restore import (RestoreError, decode_manifest, fetch_manifest,
-                      restore_bytes, restore_to_path, write_snapshot)
-from .spool import NotASpool
-from .status import spool_status
+from verneuil_fuse.copier.copier import BadSnapshot, Copier, CopierStats, OtherStore
+from verneuil_fuse.copier.pacing import DEFAULT_BURST, DEFAULT_RATE, Backoff, Stopped, TokenBucket
+from verneuil_fuse.copier.spool import NotASpool
+from verneuil_fuse.copier.status import spool_status
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "BackgroundCopier", "BadSnapshot", "Backoff", "Copier", "CopierStats", "OtherStore",
-    "DEFAULT_BURST", "DEFAULT_RATE", "NotASpool", "RestoreError",
-    "Stopped", "TokenBucket", "decode_manifest", "fetch_manifest", "restore_bytes",
-    "restore_to_path", "spool_status", "start_background", "write_snapshot",
+    "DEFAULT_BURST", "DEFAULT_RATE", "NotASpool",
+    "Stopped", "TokenBucket", "spool_status", "start_background",
 ]
 
 
@@ -97,8 +95,8 @@ def start_background(spool: Optional[str] = None, store=None, **options) -> Back
     `open_store`; default VERNEUIL_CONFIG).  The spool is created if missing.
     Returns the handle; call `.stop()` to end it (it is a daemon thread, so
     it never holds up interpreter exit)."""
-    from .. import config
-    from ..store import Store, open_store
+    from verneuil_fuse import config
+    from verneuil_fuse.store import Store, open_store
     owns = False
     if not isinstance(store, Store):
         store = open_store(store)

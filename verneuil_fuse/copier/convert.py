@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
-from .. import format as fmt
-from ..store import LAYOUT_CHUNKS, LAYOUT_PACKED, NotFound, read_run
-from .packing import PACK_TARGET_BYTES, PackBuilder, Place, space_of, stored_chunks
-from .pool import DaemonPool
-from .repair import DEFAULT_WORKERS, Progress, retry_transient
-from .restore import RestoreError, decode_manifest, load_manifest_blob
+from verneuil_fuse import format as fmt
+from verneuil_fuse.copier.packing import PACK_TARGET_BYTES, PackBuilder, Place, space_of, stored_chunks
+from verneuil_fuse.pool import DaemonPool
+from verneuil_fuse.store import LAYOUT_CHUNKS, LAYOUT_PACKED, NotFound, ReadError, Reads, Store
+from verneuil_fuse.store.retry import retried
 
 log = logging.getLogger(__name__)
+
+# Store requests in flight at once, as restore's and repair's: some hundred
+# chunks a second on S3 without looking like a flood to a small server.
+DEFAULT_WORKERS = 8
+# Called as progress(phase, done, total); the phase is READING.
+Progress = Callable[[str, int, int], None]
 
 # Chunks read per step: their reads go out in parallel, then they are
 # written in file order; 256 chunks are 16 MiB at most in memory.
@@ -55,34 +60,32 @@ def in_layout(m: fmt.Manifest, layout: str) -> bool:
     return m.layout is not None and all(fmt.chunk_source(m, i).ranged for i in stored_chunks(m))
 
 
-def _read(store, m: fmt.Manifest, indices: list[int], pool: DaemonPool) -> dict[int, bytes]:
+def _read(reads: Reads, m: fmt.Manifest, indices: list[int], pool: DaemonPool) -> dict[int, bytes]:
     """The verified bytes of chunks `indices` of `m`, read by runs."""
     fps = {i: m.chunks[i] for i in indices}
 
     def fetch(run: fmt.Run) -> list[tuple[int, bytes]]:
         try:
-            return retry_transient(lambda: read_run(store.chunks, run, fps), "read chunks")
-        except NotFound:
-            raise RestoreError("%s is missing from the store: the database cannot be converted "
-                               "(`verneuilctl repair` may put it back)" % run.key) from None
-        except fmt.ChunkError as e:
-            raise RestoreError("corrupt chunk in the store: %s" % e) from None
+            return reads.load_run(run, fps)
+        except ReadError as e:
+            raise ReadError("%s: the database cannot be converted (`verneuilctl repair` may put it back)"
+                            % e) from None
 
     got: dict[int, bytes] = {}
-    for ok, value in pool.map(fetch, fmt.chunk_runs(m, indices)):
+    for ok, value in pool.map(fetch, reads.runs(m, indices)):
         if not ok:
             raise value
         got.update(value)
     return got
 
 
-def _to_chunks(store, m: fmt.Manifest, report: ConvertReport, pool: DaemonPool,
+def _to_chunks(store: Store, reads: Reads, m: fmt.Manifest, report: ConvertReport, pool: DaemonPool,
                progress: Optional[Progress]) -> None:
     """Write a chunk object for every stored chunk of `m` the store lacks."""
     order = stored_chunks(m)
     for at in range(0, len(order), WINDOW):
         window = order[at:at + WINDOW]
-        present = pool.map(lambda i: retry_transient(lambda: store.chunks.exists(m.chunks[i].name), "check chunk"),
+        present = pool.map(lambda i: retried(lambda: store.chunks.exists(m.chunks[i].name), "check chunk"),
                            window)
         todo = []
         for i, (ok, value) in zip(window, present):
@@ -92,11 +95,11 @@ def _to_chunks(store, m: fmt.Manifest, report: ConvertReport, pool: DaemonPool,
                 report.skipped += 1
             else:
                 todo.append(i)
-        got = _read(store, m, todo, pool)
+        got = _read(reads, m, todo, pool)
 
         def put(i: int) -> int:
             blob = fmt.compress_chunk(got[i])
-            retry_transient(lambda: store.chunks.put_if_absent(m.chunks[i].name, blob), "put chunk")
+            retried(lambda: store.chunks.put_if_absent(m.chunks[i].name, blob), "put chunk")
             return len(blob)
 
         for ok, value in pool.map(put, todo):
@@ -108,7 +111,7 @@ def _to_chunks(store, m: fmt.Manifest, report: ConvertReport, pool: DaemonPool,
             progress(READING, at + len(window), len(order))
 
 
-def _to_packs(store, name: str, m: fmt.Manifest, report: ConvertReport, pool: DaemonPool,
+def _to_packs(store: Store, reads: Reads, name: str, m: fmt.Manifest, report: ConvertReport, pool: DaemonPool,
               progress: Optional[Progress], target: int) -> fmt.PackedLayout:
     """Pack every stored chunk of `m`, in file order; the new layout."""
     space = space_of(name)
@@ -119,17 +122,17 @@ def _to_packs(store, name: str, m: fmt.Manifest, report: ConvertReport, pool: Da
     def flush() -> None:
         pack, data, where = builder.take()
         key = fmt.pack_key(space, pack)
-        if retry_transient(lambda: store.chunks.exists(key), "check pack"):
+        if retried(lambda: store.chunks.exists(key), "check pack"):
             report.skipped += 1
         else:
-            retry_transient(lambda: store.chunks.put(key, data), "put pack")
+            retried(lambda: store.chunks.put(key, data), "put pack")
             report.written += 1
             report.bytes_written += len(data)
         places.update(where)
 
     for at in range(0, len(order), WINDOW):
         window = order[at:at + WINDOW]
-        got = _read(store, m, window, pool)
+        got = _read(reads, m, window, pool)
         for i in window:
             builder.add(m.chunks[i], fmt.compress_chunk(got[i]))
             if builder.full:
@@ -142,30 +145,32 @@ def _to_packs(store, name: str, m: fmt.Manifest, report: ConvertReport, pool: Da
                                           for fp in m.chunks])
 
 
-def convert_database(store, name: str, layout: str, *, workers: int = DEFAULT_WORKERS,
+def convert_database(store: Store, name: str, layout: str, *, workers: int = DEFAULT_WORKERS,
                      progress: Optional[Progress] = None, target: int = PACK_TARGET_BYTES) -> ConvertReport:
     """Convert the current version of manifest `name` to `layout` ("packed"
-    or "chunks"); see the module's docstring.  RestoreError (no such
+    or "chunks"); see the module's docstring.  ReadError (no such
     database, a chunk missing or corrupt), StoreError."""
     if layout not in (LAYOUT_CHUNKS, LAYOUT_PACKED):
         raise ValueError("unknown layout %r" % layout)
-    blob = load_manifest_blob(store, name)
-    m = decode_manifest(blob, store, "manifest %s" % name)
+    reads = Reads(store, request=retried)
+    with reads.explained("manifest %s" % name):
+        blob = reads.manifest_blob(name)
+        m = reads.decode(blob)
     report = ConvertReport(manifest=name, layout=layout, chunks=len(stored_chunks(m)))
     if in_layout(m, layout):
         return report
     pool = DaemonPool(max(1, workers), name="convert")
     try:
         if layout == LAYOUT_CHUNKS:
-            _to_chunks(store, m, report, pool, progress)
+            _to_chunks(store, reads, m, report, pool, progress)
             new_layout = None
         else:
-            new_layout = _to_packs(store, name, m, report, pool, progress, target)
+            new_layout = _to_packs(store, reads, name, m, report, pool, progress, target)
     finally:
         pool.close()
     # The version read at the start, in the other layout: a new version.
     converted = fmt.compress_manifest(fmt.with_layout(fmt.raw_manifest(blob), new_layout))
-    retry_transient(lambda: store.manifests.put(name, converted), "put manifest")
+    retried(lambda: store.manifests.put(name, converted), "put manifest")
     report.converted = True
     log.info("%s: converted to the %s layout (%d objects written, %d already there)",
              name, layout, report.written, report.skipped)

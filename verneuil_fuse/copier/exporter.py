@@ -18,11 +18,11 @@ import logging
 import os
 import time
 
-from .. import __version__, metrics
-from ..format import local_hostname
-from .copier import Copier
-from .spool import NotASpool
-from .status import spool_status
+from verneuil_fuse import __version__, metrics
+from verneuil_fuse.format import local_hostname
+from verneuil_fuse.copier.copier import Copier
+from verneuil_fuse.copier.spool import NotASpool
+from verneuil_fuse.copier.status import spool_status
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,12 @@ import os
 import time
 from typing import Optional
 
-from .. import format as fmt
-from ..store import NotFound, StoreError, read_run
-from . import spool as sp
-from .packing import (GC_INTERVAL, PACK_TARGET_BYTES, PACKS_IN_FLIGHT, GcState, Ledger, PackBuilder,
-                      Place, collect_garbage, plan_compaction, space_of, stored_chunks)
+from verneuil_fuse import format as fmt
+from verneuil_fuse.store import NotFound, StoreError
+from verneuil_fuse.copier import spool as sp
+from verneuil_fuse.copier.packing import (GC_INTERVAL, PACK_TARGET_BYTES, PACKS_IN_FLIGHT, GcState, Ledger,
+                                          PackBuilder, Place, collect_garbage, plan_compaction, space_of,
+                                          stored_chunks)
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +70,8 @@ class Packer:
 
     def _store_manifest(self, name: str) -> Optional[fmt.Manifest]:
         """The store's current manifest `name`, or None (none, unreadable)."""
-        limit = fmt.manifest_blob_limit(self.c.max_db_size)
         try:
-            blob = self.c._request(lambda: self.c.store.manifests.get(name, max_bytes=limit), "get manifest")
-            return fmt.decode_and_validate(blob, fetch_chunk=self.c._fetch_chunk, max_db_size=self.c.max_db_size)
+            return self.c.reads.manifest(name)
         except NotFound:
             return None
         except (StoreError, fmt.ManifestError, fmt.ChunkError) as e:
@@ -214,9 +213,8 @@ class Packer:
         missing = [i for i in batch if i not in got]
         if missing:
             fps = {i: current.chunks[i] for i in missing}
-            runs = fmt.chunk_runs(current, missing)
-            for ok, value in self.c._pool.map(lambda run: self.c._request(
-                    lambda: read_run(self.c.store.chunks, run, fps), "get chunks"), runs):
+            runs = self.c.reads.runs(current, missing)
+            for ok, value in self.c._pool.map(lambda run: self.c.reads.run(run, fps), runs):
                 if not ok:
                     raise value
                 got.update(value)
@@ -305,14 +303,6 @@ class Packer:
         except OSError as e:
             log.debug("%s: cannot remove %s: %s", source, VERSION_XATTR, e)
 
-    def store_copy(self, blob: bytes) -> Optional[bytes]:
-        """The staged bytes a packed manifest of the store was made from
-        (its layout removed), or None if it does not decode."""
-        try:
-            return fmt.strip_layout(fmt.raw_manifest(blob, self.c.max_db_size))
-        except Exception:  # noqa: BLE001 - the protobuf runtime's DecodeError and friends
-            return None
-
     # -- after an upload --------------------------------------------------------------
 
     def after_staged_upload(self, db: sp.DbDir, name: str, staged_ctime_ns: int) -> None:
@@ -335,9 +325,8 @@ class Packer:
         try:
             state.save(known)  # claims this round for the spool's other copiers
             ledger = self.ledger(db, name)
-            deleted = collect_garbage(self.c.store, name, ledger.space, ledger.protected(),
-                                      request=self.c._request, known=known, max_db_size=self.c.max_db_size,
-                                      **kw)
+            deleted = collect_garbage(self.c.store, self.c.reads, name, ledger.space, ledger.protected(),
+                                      request=self.c._request, known=known, **kw)
             state.save(known)
         except (StoreError, fmt.ManifestError, fmt.ChunkError, OSError) as e:
             log.warning("%s: no garbage collection this time: %s", db.source() or db.path, e)

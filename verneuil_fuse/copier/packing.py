@@ -33,9 +33,9 @@ import secrets
 import time
 from typing import Callable, Iterable, Optional
 
-from .. import format as fmt
-from ..store import NotFound
-from . import spool as sp
+from verneuil_fuse import format as fmt
+from verneuil_fuse.store import NotFound, Reads, Store
+from verneuil_fuse.copier import spool as sp
 
 log = logging.getLogger(__name__)
 
@@ -442,28 +442,15 @@ def plan_compaction(places: list[Optional[Place]], sizes: Callable[[fmt.Fprint],
 # -- garbage ---------------------------------------------------------------------
 
 
-def _version_packs(store, key: str, version_id: str, max_db_size: int) -> set[str]:
-    """The pack keys version `version_id` of manifest `key` names (an
-    unreadable version raises: GC must not guess what it needs)."""
-    blob = store.manifests.get_version(key, version_id, max_bytes=fmt.manifest_blob_limit(max_db_size))
-
-    def base(fp: fmt.Fprint) -> bytes:
-        blob = store.chunks.get(fp.name, max_bytes=fmt.base_chunk_blob_limit(max_db_size))
-        return fmt.decode_base_chunk(blob, fp, max_db_size)
-
-    m = fmt.decode_and_validate(blob, fetch_chunk=base, max_db_size=max_db_size)
-    return set(m.layout.keys()) if m.layout is not None else set()
-
-
-def collect_garbage(store, key: str, space: fmt.Fprint, protected: Iterable[str], *,
+def collect_garbage(store: Store, reads: Reads, key: str, space: fmt.Fprint, protected: Iterable[str], *,
                     request: Callable = lambda fn, what: fn(), grace: float = GC_GRACE,
-                    known: Optional[dict[str, set[str]]] = None, now: Optional[float] = None,
-                    max_db_size: int = fmt.MAX_REPLICATED_DB_SIZE) -> list[str]:
+                    known: Optional[dict[str, set[str]]] = None, now: Optional[float] = None) -> list[str]:
     """Delete the packs of name space `space` that no kept version of
     manifest `key` names, that are not `protected` (the spool's), and that
     are older than `grace` seconds; the keys deleted.  `request(fn, what)`
-    makes a store request (the copier's pacing and retries); `known` caches
-    each version's packs by version id (versions never change).  Nothing is
+    makes a store request (the copier's pacing and retries), and `reads`
+    reads the versions (with the same `request`); `known` caches each
+    version's packs by version id (versions never change).  Nothing is
     deleted when a version cannot be read."""
     known = {} if known is None else known
     now = time.time() if now is None else now
@@ -475,14 +462,15 @@ def collect_garbage(store, key: str, space: fmt.Fprint, protected: Iterable[str]
         return []
     needed: set[str] = set()
     listed: set[str] = set()
-    for info in request(lambda: store.manifests.list_versions(key), "list versions"):
+    for info in reads.versions(key):
         listed.add(info.version_id)
         keys = known.get(info.version_id)
         if keys is None:
             try:
-                keys = request(lambda: _version_packs(store, key, info.version_id, max_db_size), "get version")
+                m = reads.manifest(key, info.version_id)  # one that cannot be read raises: GC must not guess
             except NotFound:  # expired meanwhile: it needs nothing any more
                 continue
+            keys = set(m.layout.keys()) if m.layout is not None else set()
             if info.version_id != "null":  # a "null" version is whatever is current
                 known[info.version_id] = keys
         needed |= keys

@@ -6,7 +6,8 @@ tree the writer VFS maintains; the only state copiers add is `copier.lock`,
 `copier.packs/`, `copier.last` and `copier.gc` in each database's directory, and
 `dead-letter/` in the boot root (bounded: `DEAD_LETTER_MAX_ENTRIES` entries and
 `DEAD_LETTER_MAX_BYTES`, the oldest dropped first and counted in
-`dead-letter/.dropped`).
+`dead-letter/.dropped`). `spool_databases` lists the databases a spool
+holds with their manifest names (`verneuilctl repair --all`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import threading
 import time
 import uuid
 from typing import NamedTuple, Optional
+
+from verneuil_fuse import format as fmt
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ def current_boot_root_name() -> str:
 
 def dbdir_name(path: str) -> str:
     """The per-database directory name the writer uses for `path`."""
-    from ..format import PATH_KEY, hash64
+    from verneuil_fuse.format import PATH_KEY, hash64
     real = os.path.realpath(path)
     st = os.stat(real)
     return "%016x.%x.%x" % (hash64(os.fsencode(real), PATH_KEY), st.st_dev, st.st_ino)
@@ -391,3 +394,27 @@ def is_enotempty(err: Optional[int]) -> bool:
 
 
 UUID_RE = re.compile(r"\A[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\Z")
+
+
+def spool_databases(spool_dir: str, hostname: Optional[str] = None) -> list[tuple[str, str]]:
+    """(source path, manifest name) of every database of this boot in the
+    spool, sorted.  The manifest name is the one the writer staged (so the
+    host name it used), or made from the source path and `hostname` (default
+    this host) when given or when nothing is staged."""
+    check_spool(spool_dir)
+    found: dict[str, str] = {}
+    for root in boot_roots(spool_dir)[0]:
+        for db in list_dbdirs(root):
+            source = db.source()
+            if source is None:
+                log.warning("%s: no source file recorded, skipped", db.path)
+                continue
+            names = []
+            if hostname is None:
+                names = [n for n in listdir_or_empty(db.sub(STAGING, META))
+                         if fmt.parse_manifest_name(n) is not None]
+            if not names:
+                names = [fmt.manifest_name(source, hostname)]
+            for name in names:
+                found.setdefault(name, source)
+    return sorted((source, name) for name, source in found.items())

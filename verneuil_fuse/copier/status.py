@@ -4,7 +4,8 @@ Everything comes from the spool itself (no copier state is needed): pending
 snapshots in `ready`/`consuming`, staged chunks not yet uploaded, the age of
 the staged manifest, whether the source database (its file, and its WAL in
 WAL mode: source.py) moved past it; and, given a store, whether the store
-holds exactly the staged manifest.
+holds exactly the staged manifest (`store.Reads.holds`, bounded by the
+copier's `max_db_size`).
 
 A database that stopped replicating says so (`stopped`, with the reason and
 since when; never "in sync", its lag counted from then at least): its source
@@ -19,10 +20,10 @@ import os
 import time
 from typing import Optional
 
-from .. import format as fmt
-from ..store import NotFound, TooLarge
-from . import source as src
-from . import spool as sp
+from verneuil_fuse import format as fmt
+from verneuil_fuse.store import Reads, Store
+from verneuil_fuse.copier import source as src
+from verneuil_fuse.copier import spool as sp
 
 # The size limit for the spool's own staged manifests: they come from this
 # host's writer, not from the store, so any database size is fine and only
@@ -43,39 +44,6 @@ def _snapshot_dirs(db: sp.DbDir, which: str) -> list[dict]:
         out.append({"uuid": name, "age": max(0.0, time.time() - mtime),
                     "chunks": files, "chunk_bytes": size})
     return out
-
-
-def _store_manifest_raw(store, name: str, staged: bytes) -> Optional[bytes]:
-    """The store's manifest `name`, decompressed, as far as needed to compare
-    it with the `staged` (raw) one: None if missing; an object too large to
-    be a frame of `staged` (or of any manifest of the default size limit) is
-    not read and reported as b"" (it differs).  A manifest of the packed
-    layout is compared without its layout (the copier adds it to what the
-    writer staged)."""
-    staged_frame_bound = len(staged) + (len(staged) >> 8) + fmt.manifest.ZSTD_FRAME_SLACK
-    bound = max(fmt.manifest_blob_limit(fmt.DEFAULT_MAX_DB_SIZE), staged_frame_bound)
-    if getattr(store, "layout", "chunks") == "packed":  # the layout adds at most 27 bytes to 16 a chunk
-        bound = max(bound, min(fmt.MAX_MANIFEST_BYTES, 3 * staged_frame_bound))
-    try:
-        blob = store.manifests.get(name, max_bytes=bound)
-    except NotFound:
-        return None
-    except TooLarge:
-        return b""
-    if getattr(store, "layout", "chunks") == "packed":
-        try:
-            return fmt.strip_layout(fmt.raw_manifest(blob, fmt.MAX_REPLICATED_DB_SIZE))
-        except Exception:  # noqa: BLE001 - ManifestError, the protobuf runtime's DecodeError
-            return b""
-    if blob.startswith(fmt.ZSTD_MAGIC):
-        import zstandard
-        try:
-            # One byte more than the staged manifest tells "differs" already.
-            with zstandard.ZstdDecompressor().stream_reader(blob) as r:
-                return r.read(len(staged) + 1)
-        except zstandard.ZstdError:
-            return blob
-    return blob
 
 
 def source_uses_wal(source: Optional[str]) -> Optional[bool]:
@@ -110,7 +78,9 @@ def _stopped(db: sp.DbDir, source: Optional[str], max_db_size: int) -> Optional[
     return None
 
 
-def db_status(db: sp.DbDir, store=None, max_db_size: int = fmt.MAX_REPLICATED_DB_SIZE) -> dict:
+def db_status(db: sp.DbDir, reads: Optional[Reads] = None, max_db_size: int = fmt.MAX_REPLICATED_DB_SIZE) -> dict:
+    """How far `db` is behind; with `reads` (the store's), whether the store
+    holds its staged manifest."""
     now = time.time()
     source = db.source()
     info: dict = {"dbdir": db.name, "source": source, "wal": source_uses_wal(source)}
@@ -150,10 +120,9 @@ def db_status(db: sp.DbDir, store=None, max_db_size: int = fmt.MAX_REPLICATED_DB
                 header = src.committed_header(source)
                 entry["source_changed"] = (None if header is None
                                            else fmt.header_fprint_of(header) != m.header_fprint)
-        if store is not None:
-            remote = _store_manifest_raw(store, name, raw)
-            entry["in_store"] = ("missing" if remote is None
-                                 else "current" if remote == raw else "behind")
+        if reads is not None:
+            held = reads.holds(name, raw)
+            entry["in_store"] = "missing" if held is None else "current" if held else "behind"
         manifests.append(entry)
     info["manifests"] = manifests
     # The source moved past its staged snapshot: writes the VFS could not
@@ -170,7 +139,7 @@ def db_status(db: sp.DbDir, store=None, max_db_size: int = fmt.MAX_REPLICATED_DB
     # No snapshot at all yet (a spool directory the writer made before its
     # first snapshot, or whose every snapshot failed): never in sync, nothing to ship.
     info["snapshotted"] = bool(manifests or info["ready"] or info["consuming"])
-    if store is not None:
+    if reads is not None:
         ages += [e["age"] for e in manifests if e.get("in_store") != "current"]
         in_sync = bool(info["snapshotted"] and not ages and staged_files == 0 and stopped is None
                        and all(e.get("in_store") == "current" for e in manifests))
@@ -187,7 +156,11 @@ def db_status(db: sp.DbDir, store=None, max_db_size: int = fmt.MAX_REPLICATED_DB
     return info
 
 
-def spool_status(spool_dir: str, store=None, max_db_size: int = fmt.MAX_REPLICATED_DB_SIZE) -> list[dict]:
+def spool_status(spool_dir: str, store: Optional[Store] = None,
+                 max_db_size: int = fmt.MAX_REPLICATED_DB_SIZE) -> list[dict]:
+    """`db_status` of every database of the spool's current boot root,
+    against `store` when given, with the bound `max_db_size` (the copier's)."""
     sp.check_spool(spool_dir)
-    return [db_status(db, store, max_db_size) for root in sp.boot_roots(spool_dir)[0]
+    reads = Reads(store, max_db_size=max_db_size) if store is not None else None
+    return [db_status(db, reads, max_db_size) for root in sp.boot_roots(spool_dir)[0]
             for db in sp.list_dbdirs(root)]

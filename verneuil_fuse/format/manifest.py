@@ -13,16 +13,16 @@ import sys
 import threading
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Optional, Union
 
 import zstandard
 
-from . import manifest_pb2
-from .names import CHUNK_SIZE, ZERO_CHUNK_FPRINT
-from .umash import CHUNK_KEY, DIRECTORY_KEY, HEADER_KEY, Fprint, fingerprint
+from verneuil_fuse.format import manifest_pb2
+from verneuil_fuse.format.names import CHUNK_SIZE, ZERO_CHUNK_FPRINT
+from verneuil_fuse.format.umash import CHUNK_KEY, DIRECTORY_KEY, HEADER_KEY, Fprint, fingerprint
 
 if TYPE_CHECKING:
-    from .packs import PackedLayout
+    from verneuil_fuse.format.packs import PackedLayout
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # Verneuil's cap on a decompressed manifest (384 MiB: 16 bytes per 64 KiB
@@ -262,6 +262,12 @@ def contents_fprint_of(chunks: ChunksLike) -> Fprint:
     return fingerprint(_as_chunk_list(chunks).words_le(), DIRECTORY_KEY)
 
 
+def zstd_frame_bound(n: int) -> int:
+    """The longest a zstd frame of `n` bytes of content may be (zstd's
+    worst-case growth, and room for the frame's header and options)."""
+    return n + (n >> 8) + ZSTD_FRAME_SLACK
+
+
 def manifest_blob_limit(max_db_size: int) -> int:
     """The largest manifest blob accepted for a database of at most
     `max_db_size` bytes: the bound on the stored object (raw protobuf or a
@@ -273,7 +279,7 @@ def manifest_blob_limit(max_db_size: int) -> int:
         raise ValueError("max_db_size must not be negative, got %d" % max_db_size)
     raw = ((MANIFEST_BYTES_PER_CHUNK + PACKED_LAYOUT_BYTES_PER_CHUNK) * chunk_count(max_db_size)
            + MANIFEST_BUNDLED_ALLOWANCE + MANIFEST_OTHER_ALLOWANCE)
-    return min(MAX_MANIFEST_BYTES, raw + (raw >> 8) + ZSTD_FRAME_SLACK)
+    return min(MAX_MANIFEST_BYTES, zstd_frame_bound(raw))
 
 
 def format_size(n: int) -> str:
@@ -292,13 +298,6 @@ def header_fprint_of(data) -> Fprint:
 
 def _set_fp(msg, fp: Fprint) -> None:
     msg.major, msg.minor = fp
-
-
-def xor_words(words: list[int], base: bytes) -> list[int]:
-    """`words` XOR-ed with the u64 words of `base`, zero-padded (docs/FORMAT.md)."""
-    n = min(len(base) // 8, len(words))
-    base_words = struct.unpack("<%dQ" % n, base[:8 * n])
-    return [w ^ base_words[i] for i, w in enumerate(words[:n])] + words[n:]
 
 
 def _xor_array(words: array, base: bytes) -> None:
@@ -342,7 +341,7 @@ def encode_manifest(m: Manifest, base: Optional[bytes] = None) -> bytes:
         _set_fp(b.chunk_fprint, chunks[index])
         b.chunk_data = m.bundled[index]
     if m.layout is not None:
-        from .packs import layout_to_pb  # packs builds on this module
+        from verneuil_fuse.format.packs import layout_to_pb  # packs builds on this module
         layout_to_pb(v1, m.layout)
     return top.SerializeToString()
 
@@ -490,8 +489,7 @@ def base_chunk_limit(max_db_size: int = DEFAULT_MAX_DB_SIZE) -> int:
 def base_chunk_blob_limit(max_db_size: int = DEFAULT_MAX_DB_SIZE) -> int:
     """The largest base chunk object read from a store: `base_chunk_limit`
     bytes, raw or as a zstd frame of them (zstd's worst-case growth)."""
-    raw = base_chunk_limit(max_db_size)
-    return raw + (raw >> 8) + ZSTD_FRAME_SLACK
+    return zstd_frame_bound(base_chunk_limit(max_db_size))
 
 
 def decode_base_chunk(blob: bytes, expected: Fprint, max_db_size: int = DEFAULT_MAX_DB_SIZE) -> bytes:
@@ -512,6 +510,40 @@ def raw_manifest(blob: bytes, max_db_size: int = DEFAULT_MAX_DB_SIZE) -> bytes:
         # varint type, which a Manifest never has: this is a broken frame.
         raise ManifestError("zstd", "zstd frame that does not decompress")
     return raw
+
+
+def same_manifest(blob: bytes, raw: bytes) -> bool:
+    """Whether the manifest object `blob` (raw protobuf, or a zstd frame of
+    it) holds exactly the raw manifest `raw`, decompressing at most
+    len(raw) + 1 bytes of it."""
+    if blob == raw:
+        return True
+    if not blob.startswith(ZSTD_MAGIC):
+        return False
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(blob) as reader:
+            return reader.read(len(raw) + 1) == raw
+    except zstandard.ZstdError:
+        return False
+
+
+class StoredFields(NamedTuple):
+    """A manifest's fields as stored (`stored_fields`): its chunk list
+    still XOR-ed with its base chunk when it has one."""
+
+    len: int
+    header_fprint: Fprint
+    contents_fprint: Fprint
+    words: array
+
+
+def stored_fields(blob: bytes, max_db_size: int = MAX_REPLICATED_DB_SIZE) -> StoredFields:
+    """The fields of a manifest object, bounded as `decode_and_validate`
+    bounds it and parsed, not validated: what a caller needs of a manifest
+    it cannot validate (its base chunk lost or not at hand). ManifestError
+    for an object that is no manifest."""
+    v1 = _parse(raw_manifest(blob, max_db_size)).v1
+    return StoredFields(v1.len, _fp(v1.header_fprint), _fp(v1.contents_fprint), array("Q", v1.chunks))
 
 
 def decode_and_validate(blob: bytes,
@@ -570,7 +602,7 @@ def decode_and_validate(blob: bytes,
     _take_bundled(v1, m)
     if 0 in m.bundled and header_fprint_of(m.bundled[0]) != m.header_fprint:
         raise ManifestError("header-fprint", "header_fprint does not match bytes [0, 100)")
-    from .packs import layout_from_pb  # packs builds on this module
+    from verneuil_fuse.format.packs import layout_from_pb  # packs builds on this module
     m.layout = layout_from_pb(v1, len(chunks))
     return m
 

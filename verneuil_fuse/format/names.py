@@ -10,8 +10,8 @@ import re
 import socket
 from typing import NamedTuple, Optional
 
-from .umash import (CHUNK_KEY, HOSTNAME_KEY, MANGLING_KEY, PATH_KEY, Fprint,
-                   fingerprint, hash64)
+from verneuil_fuse.format.umash import (CHUNK_KEY, HOSTNAME_KEY, MANGLING_KEY, PATH_KEY, Fprint, fingerprint,
+                                        hash64)
 
 CHUNK_SIZE = 65536  # Fixed by the format: SQLite's largest page size.
 
@@ -34,11 +34,6 @@ _MANIFEST_RE = re.compile(r"\A([0-9a-f]{4})-verneuil:([^:]*):([0-9a-f]{4})/(/.*)
 
 class BadName(ValueError):
     """A string that is not a valid chunk or manifest name."""
-
-
-def chunk_name(fp: Fprint) -> str:
-    """`%016x%2F%016x` of the fingerprint (35 characters, no real slash)."""
-    return "%016x%%2F%016x" % (fp[0], fp[1])
 
 
 def parse_chunk_name(name: str) -> Fprint:

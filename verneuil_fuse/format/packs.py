@@ -15,7 +15,8 @@ This module owns:
   and the layout's bounds (`MAX_PACK_BYTES`, `check_layout`);
 - `ChunkSource` and `chunk_source(m, index)`: the one answer, for either
   layout, to "which object, and which bytes of it, hold chunk `index`";
-  every reader asks it, and `store.chunkread.read_chunk` reads what it says;
+  every reader asks it (through `store.Reads.where`), and `store.Reads.chunk`
+  reads what it says;
 - `chunk_runs`: the sources of several chunks coalesced into runs of
   adjacent blobs of one pack (one range read each), up to `MAX_RUN_BYTES`;
 - `stored_objects`: the objects a manifest needs, each with the chunks it
@@ -31,10 +32,10 @@ import dataclasses
 from array import array
 from typing import NamedTuple, Optional
 
-from . import manifest_pb2
-from .manifest import MAX_CHUNK_BLOB_BYTES, ChunkList, Manifest, ManifestError
-from .names import ZERO_CHUNK_FPRINT
-from .umash import Fprint
+from verneuil_fuse.format import manifest_pb2
+from verneuil_fuse.format.manifest import MAX_CHUNK_BLOB_BYTES, ChunkList, Manifest, ManifestError
+from verneuil_fuse.format.names import ZERO_CHUNK_FPRINT
+from verneuil_fuse.format.umash import Fprint
 
 # Prefix of every pack key; then the name space and the pack's fingerprint,
 # 32 lowercase hex digits each (70 characters in all: a valid flat key).

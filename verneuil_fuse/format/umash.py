@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._umash import ffi, lib
+from verneuil_fuse.format._umash import ffi, lib
 
 # The parameter keys of docs/FORMAT.md, as given (the binding zero-pads to 32 bytes).
 CHUNK_KEY = b"verneuil db chunk params"

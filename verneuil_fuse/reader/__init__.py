@@ -7,8 +7,7 @@
 - `manifests`: manifest blobs kept on disk (shared by mounts, across remounts).
 - `past`: past states of a database (``app.db@TIME``), resolved on lookup.
 - `replica`: one version of one database as a file: reads, prefetch hints.
-- `prefetch`: the prefetch policies (sequential readahead, cached-chunk
-  window, b-tree siblings).
+- `prefetch`: the prefetch policies (sequential readahead, b-tree siblings).
 - `btree`: SQLite b-tree pages, parsed to prefetch what a scan reads next.
 - `fetcher`: chunks from memory, the disk cache or the store: single-flight,
   verified, retried, bounded.
@@ -17,5 +16,5 @@
 - `cache`: the disk cache of chunks (segment files shared by mounts).
 
 No pyfuse3 here: `verneuil_fuse.fs` adapts this to FUSE and
-`verneuil_fuse.mount` is the program (docs/READER.md, docs/DESIGN.md).
+`verneuil_fuse.cli.mount` is the program (docs/READER.md, docs/DESIGN.md).
 """

@@ -1,6 +1,6 @@
 """cffi build script for verneuil_fuse.reader._chunk_engine: the reader's
-chunk path in C (csrc/chunk_engine.c) with UMASH (csrc/umash.c), linked
-with the system's libcurl, libzstd and zlib.
+chunk path in C (csrc/reader/chunk_engine.c) with UMASH (csrc/umash.c),
+linked with the system's libcurl, libzstd and zlib.
 
 cffi's API mode releases the GIL around every C call; the engine's own
 thread never takes it.
@@ -12,6 +12,7 @@ from cffi import FFI
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CSRC = os.path.join(_ROOT, "csrc")
+_READER = os.path.join(_CSRC, "reader")  # the reader's C, apart from the writer's
 
 
 def header_cdef(path: str) -> str:
@@ -26,12 +27,13 @@ def header_cdef(path: str) -> str:
 
 
 ffibuilder = FFI()
-ffibuilder.cdef(header_cdef(os.path.join(_CSRC, "chunk_engine.h")))
+ffibuilder.cdef(header_cdef(os.path.join(_READER, "chunk_engine.h")))
 ffibuilder.set_source(
     "verneuil_fuse.reader._chunk_engine",
     '#include "chunk_engine.h"',
-    sources=[os.path.relpath(os.path.join(_CSRC, name), _ROOT) for name in ("chunk_engine.c", "umash.c")],
-    include_dirs=[_CSRC],
+    sources=[os.path.relpath(path, _ROOT) for path in (os.path.join(_READER, "chunk_engine.c"),
+                                                        os.path.join(_CSRC, "umash.c"))],
+    include_dirs=[_READER, _CSRC],
     libraries=["curl", "zstd", "z", "pthread"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra"],
 )

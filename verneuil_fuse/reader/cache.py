@@ -54,35 +54,31 @@ What the fetcher uses: from the trio thread, the calls that never wait on
 the disk (`has_indexed`, `might_have`, `get_nowait`, ``read_into(...,
 nowait=True)``, `reserve`, `CacheSlot.abandon`, and `CacheSlot.target` and
 `CacheSlot.written` around the chunk engine's own writes); from worker
-threads, those that may (`get`, `has_blocking`, `read_into`, `advise`,
-`put`, `CacheSlot.write`); `describe` and `capacity` for its stats. All
+threads, those that may (`get`, `has_blocking`, `read_into`, `put`, `CacheSlot.write`); `describe` and `capacity` for its stats. All
 methods are thread-safe.
+
+`ChunkCache` owns the writes (slots, puts, the chunk engine's writes) and
+the accounting; its reads are in `cache_reads`, its segment files (the
+record format, rescans, eviction, pauses) in `segments`.
 """
 from __future__ import annotations
 
 import errno
 import logging
 import os
-import secrets
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
-from verneuil_fuse.format import CHUNK_SIZE, Fprint, fingerprint
+from verneuil_fuse.format import CHUNK_SIZE, Fprint
+from verneuil_fuse.reader.cache_reads import CacheReads
+from verneuil_fuse.reader.segments import (FORMAT_DIR, FREE_RESERVE_FRACTION, PAUSE_WARN_INTERVAL_S, RECORD,
+                                           Segments, _Segment, encode_record)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = "/var/cache/verneuil"
 DEFAULT_CACHE_SIZE = 2 << 30  # 2 GiB
-
-# The segment files live in a versioned subdirectory, so a future layout can
-# sit beside this one and an old one is never misread.
-FORMAT_DIR = "segments-v1"
-SEG_SUFFIX = ".seg"
-IDX_SUFFIX = ".idx"
 
 # Largest segment: the unit of eviction. 64 MiB keeps the number of files
 # (and open descriptors) small, 32 for the default 2 GiB, while one eviction
@@ -95,81 +91,12 @@ SEGMENTS_PER_CACHE = 16
 # churn files.
 MIN_SEGMENT_BYTES = 1 << 20
 
-# fp.major, fp.minor, offset, length, check (crc32 of the first 28 bytes,
-# salted so that an all-zero record, left by a crash, never passes).
-RECORD = struct.Struct("<QQQII")
-_CHECK_SALT = 0x56434331  # "VCC1"
-
-# Share of the cache's file system left free for the rest of the machine
-# (the default cache_dir, /var/cache/verneuil, is on the root file system):
-# a new segment starts only if this much stays free after it, else the
-# oldest segments go first. 5 % is what ext4 keeps back for root by default;
-# the mount's own writes stop short of it without relying on running as root.
-FREE_RESERVE_FRACTION = 0.05
-# ... but never more than 1 GiB: 5 % of a large disk is far more than other
-# programs need to go on working, and would be cache taken from the user.
-FREE_RESERVE_MAX = 1 << 30
-# After a write to the cache failed (ENOSPC, EDQUOT, EIO) or no room is left
-# past the reserve, new chunks are not cached for this long. Reads go on from
-# the store meanwhile; one statvfs and one log line per pause rather than per
-# chunk (a scan caches some 250 chunks a second). Short enough that space
-# freed by others is used again soon.
-WRITE_PAUSE_S = 10.0
-# A pause is logged as a warning at most this often (else at debug level): a
-# full disk stays full for hours, and one line every few minutes says so.
-PAUSE_WARN_INTERVAL_S = 300.0
-
-# How often a miss may rescan the directory for segments that other
-# processes sharing the directory wrote or deleted. A rescan is a listdir and
-# one fstat per segment; once a second costs nothing next to a GET.
-RESCAN_INTERVAL_S = 1.0
-
 
 def default_cache_dir() -> str:
     if os.geteuid() == 0:
         return DEFAULT_CACHE_DIR
     base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     return os.path.join(base, "verneuil")
-
-
-def _check(major: int, minor: int, offset: int, length: int) -> int:
-    return zlib.crc32(struct.pack("<QQQI", major, minor, offset, length)) ^ _CHECK_SALT
-
-
-def encode_record(fp: Fprint, offset: int, length: int) -> bytes:
-    return RECORD.pack(fp.major, fp.minor, offset, length, _check(fp.major, fp.minor, offset, length))
-
-
-@dataclass(eq=False)
-class _Segment:
-    name: str
-    seg_path: str
-    idx_path: str
-    own: bool = False  # created by this process: the only ones it appends to
-    fd: int = -1  # O_RDONLY (others') or O_RDWR (own), opened lazily
-    idx_fd: int = -1  # own segments only (O_APPEND)
-    data_bytes: int = 0  # size of .seg (own: bytes reserved so far)
-    holes: int = 0  # own: bytes of data_bytes given back unwritten (slots of failed fetches)
-    pending: int = 0  # own: bytes of data_bytes in slots still reserved (their fetch under way)
-    idx_bytes: int = 0  # bytes of .idx consumed (others') or written (own)
-    readers: int = 0  # reads and writes under way (the descriptors stay open)
-    dead: bool = False  # deleted: close the fd when the last reader leaves
-    fps: list = field(default_factory=list)  # every fingerprint recorded here
-
-    @property
-    def disk_bytes(self) -> int:
-        return self.data_bytes - self.holes + self.idx_bytes
-
-
-@dataclass(slots=True, eq=False)
-class _Run:
-    """Chunks back to back in one segment, read with one ``preadv``."""
-
-    seg: _Segment
-    fd: int
-    off: int  # where the run starts in the segment
-    length: int  # bytes
-    ks: list[int]  # positions of its chunks in the request, in segment order
 
 
 class CacheSlot:
@@ -218,7 +145,7 @@ class CacheSlot:
         return True
 
 
-class ChunkCache:
+class ChunkCache(CacheReads, Segments):
     """Verified chunk bytes on local disk, bounded by ``size_limit`` bytes."""
 
     def __init__(self, directory: str, size_limit: int = DEFAULT_CACHE_SIZE):
@@ -265,200 +192,6 @@ class ChunkCache:
     @staticmethod
     def _segment_size(limit: int) -> int:
         return max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, limit // SEGMENTS_PER_CACHE))
-
-    # ----------------------------------------------------------------- reads
-    def get(self, fp: Fprint) -> bytes | None:
-        """The chunk's verified bytes, or None (not cached, or damaged)."""
-        with self._lock:
-            loc = self._index.get(fp)
-            if loc is None and self._rescan_due():
-                self._rescan_locked()
-                loc = self._index.get(fp)
-            if loc is None:
-                self.stats["misses"] += 1
-                return None
-        buf = bytearray(loc[2])
-        if not self.read_into([fp], [memoryview(buf)])[0]:
-            return None
-        return bytes(buf)
-
-    def get_nowait(self, fp: Fprint) -> bytearray | None:
-        """The chunk's verified bytes if they are cached *and* in the kernel's
-        page cache (see `read_into`), else None. The result is a bytearray
-        that must be treated as read-only."""
-        loc = self._index.get(fp)
-        if loc is None:
-            return None
-        buf = bytearray(loc[2])
-        return buf if self.read_into([fp], [memoryview(buf)], nowait=True)[0] else None
-
-    def read_into(self, fps: list[Fprint], dests: list[memoryview], nowait: bool = False) -> list[bool]:
-        """Read cached chunks into the caller's buffers: ``dests[k]``, a
-        writable view of exactly the chunk's length, receives the verified
-        bytes of ``fps[k]``. Returns, per chunk, whether it did; a chunk that
-        is not cached (or has another length) is left alone, a damaged one is
-        dropped from the index (after a blocking read) and logged.
-
-        Chunks stored back to back in one segment (in any order), as a scan
-        stores them, are read with one ``preadv`` into their destinations: no
-        copy besides the kernel's, one lock round for a whole FUSE read
-        request and one system call per run instead of one each per chunk
-        (per-chunk work is what bounds a warm read in the mount's single
-        Python thread).
-
-        With ``nowait`` the reads use ``RWF_NOWAIT``: only bytes already in
-        the kernel's page cache, never a wait on the disk, so the trio thread
-        may call it; a chunk that would block is left for a blocking call
-        from a worker thread. Never rescans the directory."""
-        ok = [False] * len(fps)
-        with self._lock:
-            runs = self._runs_locked(fps, dests, nowait)
-        hits = 0
-        damaged: list[tuple[int, _Segment]] = []  # blocking reads only
-        try:
-            for run in runs:
-                hits += self._read_run(run, fps, dests, nowait, ok)
-                if not nowait:
-                    damaged.extend((k, run.seg) for k in run.ks if not ok[k])
-        finally:
-            with self._lock:
-                for run in runs:
-                    self._release_locked(run.seg)
-                self.stats["hits"] += hits
-                if not nowait:
-                    self._drop_damaged_locked(fps, damaged)
-        return ok
-
-    def _runs_locked(self, fps: list[Fprint], dests: list[memoryview], nowait: bool) -> list[_Run]:
-        """The indexed chunks of ``fps`` (of the length of their ``dests``)
-        grouped into runs back to back in one segment, each segment pinned
-        (`_release_locked` once read)."""
-        index = self._index
-        found: list[tuple[str, int, int, int, _Segment]] = []  # sorts without comparing segments
-        for k, fp in enumerate(fps):
-            loc = index.get(fp)
-            if loc is None or loc[2] != len(dests[k]):
-                continue
-            seg, off, length = loc
-            if seg.fd < 0:
-                if nowait:
-                    continue
-                try:
-                    self._read_fd_locked(seg)
-                except OSError as e:
-                    log.warning("cache segment %s is unreadable (%s): dropping it", seg.name, e)
-                    self._drop_locked(seg)
-                    continue
-            found.append((seg.name, off, k, length, seg))
-        # In segment order, not in the order asked: parallel fetches store
-        # a scan's chunks close together but shuffled (a warm scan of a
-        # 475 MiB replica read 1954 runs this way instead of 6961).
-        found.sort()
-        runs: list[_Run] = []
-        last: _Run | None = None
-        for _, off, k, length, seg in found:
-            if last is not None and last.seg is seg and last.off + last.length == off:
-                last.length += length
-                last.ks.append(k)
-            else:
-                seg.readers += 1
-                last = _Run(seg, seg.fd, off, length, [k])
-                runs.append(last)
-        return runs
-
-    @staticmethod
-    def _read_run(run: _Run, fps: list[Fprint], dests: list[memoryview], nowait: bool, ok: list[bool]) -> int:
-        """One ``preadv`` of a run into its chunks' destinations; sets
-        ``ok[k]`` for each chunk read whole that matches its fingerprint.
-        Returns how many did."""
-        flags = os.RWF_NOWAIT if nowait else 0
-        try:
-            got = os.preadv(run.fd, [dests[k] for k in run.ks], run.off, flags)
-        except OSError as e:  # EAGAIN (would block), EOPNOTSUPP, EIO ...
-            if not nowait:
-                log.warning("cannot read %d bytes at %d of cache segment %s: %s", run.length, run.off, run.seg.name, e)
-            got = 0
-        hits = 0
-        pos = run.off
-        for k in run.ks:
-            pos += len(dests[k])
-            if pos > run.off + got:
-                break  # a short read: not in the page cache (nowait), or torn
-            if fingerprint(dests[k]) == fps[k]:
-                ok[k] = True
-                hits += 1
-        return hits
-
-    def _drop_damaged_locked(self, fps: list[Fprint], damaged: list[tuple[int, _Segment]]) -> None:
-        """Count as misses, and drop from the index, the chunks of a blocking
-        read that did not come back whole and verified."""
-        self.stats["misses"] += len(damaged)
-        self.stats["corrupt"] += len(damaged)
-        for k, seg in damaged:
-            fp = fps[k]
-            log.warning("dropping damaged cache entry for chunk %016x/%016x (segment %s)", fp.major, fp.minor, seg.name)
-            loc = self._index.get(fp)
-            if loc is not None and loc[0] is seg:
-                del self._index[fp]
-
-    def has_indexed(self, fp: Fprint) -> bool:
-        """Whether the index names this chunk now: in memory, no lock, no
-        I/O, so the trio thread may ask; chunks other processes stored since
-        the last rescan are not seen (`has_blocking` looks for them)."""
-        return fp in self._index
-
-    def advise(self, fps) -> int:
-        """Ask the kernel to read these cached chunks into its page cache in
-        the background (``POSIX_FADV_WILLNEED`` on coalesced ranges), so that
-        `get_nowait` finds them. Returns the number of ranges advised."""
-        spans: dict[_Segment, list[tuple[int, int]]] = {}
-        with self._lock:
-            for fp in fps:
-                loc = self._index.get(fp)
-                if loc is not None:
-                    spans.setdefault(loc[0], []).append((loc[1], loc[1] + loc[2]))
-            for seg in spans:
-                try:
-                    self._read_fd_locked(seg)
-                    seg.readers += 1
-                except OSError:
-                    spans[seg] = []
-        advised = 0
-        for seg, ranges in spans.items():
-            if not ranges:
-                continue
-            try:
-                ranges.sort()
-                start, end = ranges[0]
-                for a, b in ranges[1:] + [(-1, -1)]:
-                    if a == end:
-                        end = b
-                        continue
-                    os.posix_fadvise(seg.fd, start, end - start, os.POSIX_FADV_WILLNEED)
-                    advised += 1
-                    start, end = a, b
-            except OSError as e:
-                log.debug("fadvise on cache segment %s: %s", seg.name, e)
-            finally:
-                with self._lock:
-                    self._release_locked(seg)
-        return advised
-
-    def might_have(self, fp: Fprint) -> bool:
-        """False when `get` and `has_blocking` would surely say no: the index
-        lacks the chunk and is not due for a rescan (no I/O, no lock), so a
-        caller can skip a thread hop for a chunk it must fetch anyway."""
-        return fp in self._index or self._rescan_due()
-
-    def has_blocking(self, fp: Fprint) -> bool:
-        """Whether the chunk is cached, by this process or another sharing
-        the directory: a miss in the index rescans the directory when a
-        rescan is due (`RESCAN_INTERVAL_S`), so this may block on the disk
-        (a worker thread's call). Unlike `get`, reads no chunk bytes."""
-        with self._lock:
-            if fp not in self._index and self._rescan_due():
-                self._rescan_locked()
-            return fp in self._index
 
     # ---------------------------------------------------------------- writes
     def reserve(self) -> CacheSlot | None:
@@ -633,205 +366,6 @@ class ChunkCache:
             self._segments.clear()
             self._index.clear()
             self._active = None
-
-    # ------------------------------------------------------------- internals
-    def _rescan_due(self) -> bool:
-        return not self._closed and time.monotonic() - self._last_rescan >= RESCAN_INTERVAL_S
-
-    def _rescan_locked(self) -> None:
-        """Learn the segments other processes created, grew or deleted."""
-        self._last_rescan = time.monotonic()
-        self.stats["rescans"] += 1
-        try:
-            names = {n[: -len(SEG_SUFFIX)] for n in os.listdir(self._dir) if n.endswith(SEG_SUFFIX)}
-        except FileNotFoundError:
-            # Every segment went with the directory (see `_create_locked`).
-            self._make_dir_again()
-            names = set()
-        except OSError as e:
-            log.warning("cannot list the cache directory %s: %s", self._dir, e)
-            return
-        for name in list(self._segments):
-            if name not in names:  # deleted by another process sharing the directory
-                self._drop_locked(self._segments[name])
-        for name in sorted(names):
-            seg = self._segments.get(name)
-            if seg is None:
-                seg = self._segments[name] = _Segment(
-                    name, os.path.join(self._dir, name + SEG_SUFFIX), os.path.join(self._dir, name + IDX_SUFFIX)
-                )
-            if not seg.own:
-                self._load_index_locked(seg)
-
-    def _load_index_locked(self, seg: _Segment) -> None:
-        try:
-            with open(seg.idx_path, "rb") as f:
-                f.seek(seg.idx_bytes)
-                tail = f.read()
-            # After the index: every record read names bytes written before it.
-            data_bytes = os.stat(seg.seg_path).st_size
-        except FileNotFoundError:
-            return  # an index not written yet, or a segment deleted meanwhile
-        except OSError as e:
-            log.warning("cannot read cache index %s: %s", seg.idx_path, e)
-            return
-        seg.data_bytes = data_bytes
-        usable = len(tail) - len(tail) % RECORD.size
-        for major, minor, off, length, check in RECORD.iter_unpack(tail[:usable]):
-            if check != _check(major, minor, off, length) or not 0 < length <= CHUNK_SIZE or off + length > data_bytes:
-                continue  # torn, zero-filled or foreign: skip it
-            fp = Fprint(major, minor)
-            seg.fps.append(fp)
-            self._index[fp] = (seg, off, length)
-        # A partial record at the end may still be completed by its writer.
-        seg.idx_bytes += usable
-
-    def _new_locked(self) -> _Segment:
-        """The next segment of ours, in memory only (`_create_locked` makes its
-        files at its first write)."""
-        name = "%016x-%d-%s" % (time.time_ns(), os.getpid(), secrets.token_hex(4))
-        return _Segment(name, os.path.join(self._dir, name + SEG_SUFFIX), os.path.join(self._dir, name + IDX_SUFFIX),
-                        own=True)
-
-    def _create_locked(self, seg: _Segment) -> None:
-        """Make room for a new segment of ours, then its files (raises OSError)."""
-        if not self._evict_locked(self.segment_bytes):
-            raise OSError(errno.ENOSPC, "no room left on its file system past the %.0f %% kept free"
-                          % (FREE_RESERVE_FRACTION * 100))
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        try:
-            seg.fd = os.open(seg.seg_path, flags, 0o600)
-        except FileNotFoundError:
-            self._make_dir_again()
-            seg.fd = os.open(seg.seg_path, flags, 0o600)
-        try:
-            seg.idx_fd = os.open(seg.idx_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except OSError:
-            os.close(seg.fd)
-            seg.fd = -1
-            os.unlink(seg.seg_path)
-            raise
-        self._segments[seg.name] = seg
-
-    def _make_dir_again(self) -> None:
-        """The directory went (a cleaner of /var/cache, a user's ``rm -r``):
-        make it again rather than stop caching until a remount."""
-        log.warning("cache directory %s was removed: making it again", self._dir)
-        try:
-            os.makedirs(self._dir, exist_ok=True)
-        except OSError as e:
-            log.warning("cannot make the cache directory %s again: %s", self._dir, e)
-
-    def _seal_locked(self, seg: _Segment) -> None:
-        """Stop appending to our active segment (it stays readable)."""
-        if seg is self._active:
-            self._active = None
-        if seg.idx_fd >= 0 and seg.readers == 0:
-            os.close(seg.idx_fd)
-            seg.idx_fd = -1
-
-    @staticmethod
-    def _unlinked(seg: _Segment) -> bool:
-        """Another process sharing the directory evicted our segment."""
-        try:
-            return os.fstat(seg.fd).st_nlink == 0
-        except OSError:
-            return True
-
-    def _read_fd_locked(self, seg: _Segment) -> int:
-        if seg.fd < 0:
-            seg.fd = os.open(seg.seg_path, os.O_RDONLY | os.O_CLOEXEC)
-        return seg.fd
-
-    def _disk_room(self) -> int | None:
-        """Bytes the cache may still write to its file system, keeping the
-        reserve free (negative when others ate into it); None when statvfs
-        fails (the size bound alone then applies)."""
-        try:
-            st = os.statvfs(self._dir)
-        except OSError:
-            return None
-        reserve = min(FREE_RESERVE_MAX, int(st.f_blocks * st.f_frsize * FREE_RESERVE_FRACTION))
-        return st.f_bavail * st.f_frsize - reserve
-
-    def _pause_locked(self, reason: str) -> None:
-        """Stop writing new chunks for `WRITE_PAUSE_S` (see there)."""
-        now = time.monotonic()
-        self._paused_until = now + WRITE_PAUSE_S
-        self.stats["write_pauses"] += 1
-        if now - self._last_pause_warning >= PAUSE_WARN_INTERVAL_S:
-            self._last_pause_warning = now
-            log.warning("disk cache %s: %s; not caching new chunks for %g s (reads go on from the store)",
-                        self.directory, reason, WRITE_PAUSE_S)
-        else:
-            log.debug("disk cache %s: %s; paused again", self.directory, reason)
-
-    def _evict_locked(self, room: int) -> bool:
-        """Delete the oldest segments until ``room`` more bytes fit, both in
-        ``size_limit`` and on the file system past its reserve. Returns
-        whether they do (only the disk can say no: when even an empty cache
-        would leave too little free)."""
-        total = sum(s.disk_bytes for s in self._segments.values())
-        disk = self._disk_room()
-        # Bytes the disk lacks, counting those promised to slots of the
-        # segments there (fetches under way), which statvfs cannot see yet.
-        promised = sum(s.pending for s in self._segments.values())
-        short = 0 if disk is None else room + promised - disk
-        for name in sorted(self._segments):
-            if total + room <= self.size_limit and short <= 0:
-                break
-            seg = self._segments[name]
-            if seg is self._active:
-                continue
-            for path in (seg.seg_path, seg.idx_path):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    log.warning("cannot evict cache file %s: %s", path, e)
-            total -= seg.disk_bytes
-            short -= seg.disk_bytes
-            self.stats["evicted_segments"] += 1
-            log.debug("evicted cache segment %s (%d chunks)", seg.name, len(seg.fps))
-            self._drop_locked(seg)
-        return short <= 0
-
-    def _drop_locked(self, seg: _Segment) -> None:
-        self._segments.pop(seg.name, None)
-        if seg is self._active:
-            self._active = None
-        for fp in seg.fps:
-            loc = self._index.get(fp)
-            if loc is not None and loc[0] is seg:
-                del self._index[fp]
-        seg.fps = []
-        seg.dead = True
-        if seg.readers == 0:
-            self._close_fds(seg)
-
-    def _release_locked(self, seg: _Segment) -> None:
-        """One read or write of ``seg`` is over: close what nobody needs any
-        more (everything once deleted; the index of a sealed segment of ours)."""
-        seg.readers -= 1
-        if seg.readers:
-            return
-        if seg.dead:
-            self._close_fds(seg)
-        elif seg is not self._active and seg.idx_fd >= 0:
-            os.close(seg.idx_fd)
-            seg.idx_fd = -1
-
-    @staticmethod
-    def _close_fds(seg: _Segment) -> None:
-        for attr in ("fd", "idx_fd"):
-            fd = getattr(seg, attr)
-            if fd >= 0:
-                setattr(seg, attr, -1)
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
 
 
 class MemoryLRU:

@@ -40,10 +40,10 @@ from typing import Any, Protocol
 
 import trio
 
-from verneuil_fuse.format import MAX_CHUNK_BLOB_BYTES, ChunkSource, Fprint, chunk_mismatch, chunk_name
+from verneuil_fuse.format import MAX_CHUNK_BLOB_BYTES, ChunkSource, Fprint, chunk_mismatch
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache
 from verneuil_fuse.reader.chunk_engine import ChunkEngine, Outcome
-from verneuil_fuse.store import StoreError
+from verneuil_fuse.store import DirectReads, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ SPARE_REQUESTS = 16
 # Where a flight is (`Flight.state`).
 QUEUED = "queued"  # waiting for a GET slot, to go to the chunk engine (`EnginePath.pump`)
 ENGINE = "engine"  # its GET is on the chunk engine; its answer comes back through `EnginePath`
-TASK = "task"  # a trio task runs it (`Fetcher._fly`): disk cache, threads, retries, hydration
+TASK = "task"  # a trio task runs it (`FlightRuns._fly`): disk cache, threads, retries, hydration
 DONE = "done"
 
 
@@ -66,7 +66,7 @@ class Flight:
     """One chunk's fetch, shared by every read of it (single-flight). Its
     waiters are the fetcher's `_Waiter` objects, one per read request however
     many of its chunks it waits for, told when the flight is done
-    (`Fetcher._finish`)."""
+    (`FlightRuns._finish`). Its ``state`` is written in this module only."""
 
     __slots__ = ("fp", "state", "data", "error", "prefetch", "promoted", "slot", "waiters", "wait_scope",
                  "deadline", "holds_prefetch_slot", "source")
@@ -86,6 +86,14 @@ class Flight:
         self.deadline = 0.0  # trio time; set when the deadline starts
         self.holds_prefetch_slot = False  # on the engine path
 
+    def to_task(self) -> None:
+        """A trio task runs it from now on (`FlightRuns._fly`)."""
+        self.state = TASK
+
+    def finish(self) -> None:
+        """Its bytes or its error are in (`FlightRuns._finish`)."""
+        self.state = DONE
+
 
 def store_chunk(cache: ChunkCache, fp: Fprint, data: bytes, slot: CacheSlot | None) -> None:
     """Write a verified chunk to the disk cache, in its slot if it has one
@@ -97,7 +105,7 @@ def store_chunk(cache: ChunkCache, fp: Fprint, data: bytes, slot: CacheSlot | No
         else:
             cache.put(fp, data)
     except Exception:  # noqa: BLE001 - reads go on from the store
-        log.exception("cannot write chunk %s to the cache", chunk_name(fp))
+        log.exception("cannot write chunk %s to the cache", fp.name)
     finally:
         if slot is not None:
             slot.abandon()  # if `write` failed
@@ -137,14 +145,15 @@ class _OneGet:
 
 class EnginePath:
     """The flights queued for, or on, the chunk engine (see the module's
-    docstring). ``backend``: the chunks backend, whose `direct_gets` gives
-    the URLs and signing (none: no engine path); ``requests``: the engine's
-    GETs in flight at most (the fetcher's GET slots)."""
+    docstring). ``backend``: the chunks backend's direct reads, whose
+    `direct_gets` gives the URLs and signing (None: no engine path);
+    ``requests``: the engine's GETs in flight at most (the fetcher's GET
+    slots)."""
 
-    def __init__(self, owner: FlightOwner, backend: Any, requests: int):
+    def __init__(self, owner: FlightOwner, backend: DirectReads | None, requests: int):
         self._owner = owner
-        self._backend = backend if callable(getattr(backend, "direct_gets", None)) else None
-        self._off = self._backend is None  # no engine path (or turned off)
+        self._backend = backend
+        self._off = backend is None  # no engine path (or turned off)
         self._requests = requests + SPARE_REQUESTS
         self._engine: ChunkEngine | None = None  # made at the first GET, ended with the nursery
         self.queued_demand: deque[Flight] = deque()
@@ -281,7 +290,7 @@ class EnginePath:
             now = trio.current_time()
             timeout = owner.timeout
             try:
-                engine.start((f, gets.url(chunk_name(f.fp)), f.fp,
+                engine.start((f, gets.url(f.fp.name), f.fp,
                               f.slot.target(f.fp) if f.slot is not None else None,
                               min(timeout, max(f.deadline - now, MIN_ATTEMPT_TIMEOUT))) for f in batch)
             except (OSError, ValueError) as e:  # a URL it cannot send, an engine closing
@@ -376,7 +385,7 @@ class EnginePath:
         if outcome.mismatch:
             return chunk_mismatch(fp)
         assert outcome.failure is not None
-        error = self._backend.direct_get_error(chunk_name(fp), outcome.failure, MAX_CHUNK_BLOB_BYTES)
+        error = self._backend.direct_get_error(fp.name, outcome.failure, MAX_CHUNK_BLOB_BYTES)
         if error is None:
             self._turn_off()
         return error
@@ -394,7 +403,7 @@ class EnginePath:
         engine, gets = ready
         wait = _OneGet()
         try:
-            engine.start([(wait, gets.url(chunk_name(fp)), fp, None, self._owner.timeout)])
+            engine.start([(wait, gets.url(fp.name), fp, None, self._owner.timeout)])
         except (OSError, ValueError):
             return None  # a thread, then
         await wait.event.wait()

@@ -71,8 +71,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from verneuil_fuse.reader.catalog import Catalog, DbEntry, Parked
+from verneuil_fuse.reader.catalog import Catalog
 from verneuil_fuse.reader.replica import Replica
+from verneuil_fuse.reader.tree import DbEntry, Parked
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,9 @@ again on every use, like a blob from the store: one that does not decode
 
 Every method is blocking (a SQLite transaction, a file read): the catalog
 calls them from a worker thread. Errors of the cache (a full or broken disk)
-are logged and make it answer "not cached": the store stays the source.
+are logged and make it answer "not cached": the store stays the source. Like
+the chunk cache beside it, it keeps its file system's reserve free: a blob
+that would eat into it is not kept (`skipped`).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import os
 from typing import NamedTuple
 
 import diskcache
+
+from verneuil_fuse.reader.segments import disk_room
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,10 @@ MANIFEST_CACHE_BYTES = 256 << 20
 # than a FUSE request should wait for a cache).
 TIMEOUT_SECONDS = 2.0
 SUBDIR = "manifests"
+# Room wanted past a blob's own bytes before it is kept: diskcache's SQLite
+# index and its write-ahead log grow by some pages per entry and the log
+# reaches a few hundred KiB between checkpoints.
+WRITE_SLACK_BYTES = 512 << 10
 
 
 class Cached(NamedTuple):
@@ -67,6 +75,7 @@ class ManifestCache:
         self.hits = 0
         self.misses = 0
         self.errors = 0
+        self.skipped = 0
         self._cache = diskcache.Cache(self.directory, size_limit=size_limit, timeout=TIMEOUT_SECONDS,
                                       eviction_policy="least-recently-used")
 
@@ -101,6 +110,11 @@ class ManifestCache:
             log.warning("manifest cache %s: cannot drop %s: %s", self.directory, key, e)
 
     def put(self, key: str, entry: Cached) -> None:
+        room = disk_room(self.directory)
+        if room is not None and room < len(entry.blob) + WRITE_SLACK_BYTES:
+            self.skipped += 1
+            log.debug("manifest cache %s: no room past the disk's reserve: %s not kept", self.directory, key)
+            return
         try:
             self._cache.set((self.store_id, key), tuple(entry))
         except Exception as e:  # noqa: BLE001 - the store stays the source
@@ -108,7 +122,7 @@ class ManifestCache:
             log.warning("manifest cache %s: cannot keep %s: %s", self.directory, key, e)
 
     def stats(self) -> dict:
-        return {"hits": self.hits, "misses": self.misses, "errors": self.errors}
+        return {"hits": self.hits, "misses": self.misses, "errors": self.errors, "skipped": self.skipped}
 
     def close(self) -> None:
         self._cache.close()

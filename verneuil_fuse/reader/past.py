@@ -78,8 +78,7 @@ class PastStates:
         if cached is not None and now - cached[0] < LISTING_TTL and cached[1] == live:
             self._listings.move_to_end(key)
             return cached[2]
-        newest_first = await self.fetcher.run_blocking(self.fetcher.store.manifests.list_versions, key)
-        infos = list(reversed(newest_first))
+        infos = await self.fetcher.manifest_versions(key)
         self._listings[key] = (now, live, infos)
         while len(self._listings) > LISTINGS_KEPT:
             self._listings.popitem(last=False)
@@ -89,9 +88,7 @@ class PastStates:
         """(time in ns, decoded manifest or None when unreadable) of one version."""
         self.manifest_reads += 1
         try:
-            blob = await self.fetcher.run_blocking(
-                lambda: self.fetcher.store.manifests.get_version(
-                    key, info.version_id, max_bytes=self.fetcher.manifest_limit))
+            blob = await self.fetcher.get_manifest_version(key, info.version_id)
             manifest = await self.fetcher.decode_manifest(blob)
         except (ManifestError, TooLarge, NotFound) as e:
             log.warning("version %s of %s is unreadable: %s", info.version_id, key, e)

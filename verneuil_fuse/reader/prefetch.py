@@ -3,14 +3,13 @@
 Every policy here is only a hint: it never decides which bytes are served,
 and the fetcher skips chunks already cached or under way. A `Replica` asks
 each policy that applies for the chunk indices a read makes worth fetching
-ahead (`Hints`), and hands them to the fetcher.
+ahead (a list of them, in the order the policies give them), and hands them
+to the fetcher.
 
 - `SequentialReadahead`: reads of one open handle in file order (a full
   scan, ``cat``, a backup) fetch the next chunks ahead, in a window that
-  grows while the reads stay in order.
-- `CacheWindow`: an option of the sequential readahead, off by default
-  (``cache_readahead_max`` = 0): chunks already in the disk cache are
-  advised to the kernel in a wider window of their own.
+  grows while the reads stay in order; chunks already in the disk cache
+  are left to the kernel's own readahead of the cache's files.
 - `BtreeReadahead`: reads that go from one child of a b-tree page to the
   next (a table or index scan in key order, whatever the pages' file order)
   fetch the chunks of the following siblings.
@@ -18,7 +17,7 @@ ahead (`Hints`), and hands them to the fetcher.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from verneuil_fuse.format import CHUNK_SIZE
 from verneuil_fuse.reader import btree
@@ -37,24 +36,6 @@ class PrefetchConfig:
     # nginx rig).
     readahead_max: int = 256
     btree_max: int = 32  # chunks
-    # Chunks already in the disk cache cost no GET: up to this many ahead of
-    # a sequential read (and those the b-tree prefetch predicts) the kernel
-    # is advised (fadvise WILLNEED) to read them from the cache's segment
-    # files, many reads in flight. 0 (the default) leaves it to the kernel's
-    # own readahead of the segments: fewer, larger reads. Since the cache lays
-    # a sequential read's chunks out in file order, the kernel's
-    # readahead follows them, in large folios, where the advice reads page by
-    # page in a thread of ours: a warm SQL scan of 475 MiB from a cache the
-    # VM's host holds took 0.37 s with 0 and 0.56 s with 256 (the mount's CPU
-    # 0.27 against 0.43 s; 0.38 against 0.62 s with the disk's readahead at
-    # 128 KiB), and from a cache just written 0.95 against 0.98 s at 1 GiB
-    # (docs/READER.md "Prefetch", docs/BENCHMARKS.md).
-    cache_readahead_max: int = 0  # chunks
-
-    @property
-    def advising(self) -> bool:
-        """Whether cached chunks are advised to the kernel (`CacheWindow`)."""
-        return self.cache_readahead_max > 0
 
 
 @dataclass
@@ -66,21 +47,6 @@ class Cursor:
     streak: int = 0
     window: int = 0
     ahead: int = -1  # highest chunk index already handed to the prefetcher
-    cache_window: int = 0
-    advised: int = -1  # highest chunk index for which cached chunks were advised
-
-
-@dataclass(slots=True)
-class Hints:
-    """Chunk indices one read hints at, by what the fetcher may do with
-    each, in the order the policies gave them."""
-
-    both: list[int] = field(default_factory=list)  # fetch if not cached, advise if cached
-    fetch_only: list[int] = field(default_factory=list)  # fetch if not cached, else nothing
-    advise_only: list[int] = field(default_factory=list)  # advise if cached, else nothing
-
-    def __bool__(self) -> bool:
-        return bool(self.both or self.fetch_only or self.advise_only)
 
 
 def _grow(window: int, initial: int, largest: int) -> int:
@@ -94,29 +60,25 @@ class SequentialReadahead:
     once reads have entered two new chunks in order, the next chunks are
     fetched ahead; the window doubles on every sequential read up to
     ``readahead_max`` chunks and drops to nothing on a random read. Chunks
-    already in the disk cache cost no GET and are left to the kernel's
-    readahead of the cache's files, or to `CacheWindow` when it is on."""
+    already in the disk cache cost no GET (the fetcher skips them) and are
+    left to the kernel's readahead of the cache's files."""
 
-    __slots__ = ("config", "last_index", "cache_window")
+    __slots__ = ("config", "last_index")
 
     def __init__(self, config: PrefetchConfig, nchunks: int):
         self.config = config
         self.last_index = nchunks - 1
-        self.cache_window = CacheWindow(config, nchunks) if config.advising else None
 
-    def hint(self, cursor: Cursor, off: int, end: int, first: int, last: int, hints: Hints) -> None:
+    def hint(self, cursor: Cursor, off: int, end: int, first: int, last: int, hints: list[int]) -> None:
         """Note a read of chunks ``first``..``last`` (bytes ``off``..``end``)
         and add to ``hints`` the chunks it makes worth fetching."""
         if not self._in_order(cursor, off, end, first, last):
             return
         cfg = self.config
         cursor.window = _grow(cursor.window, cfg.readahead_initial, cfg.readahead_max)
-        fetch_stop = min(last + cursor.window, self.last_index)
-        if self.cache_window is not None:
-            self.cache_window.hint(cursor, last, fetch_stop, hints)
-        else:
-            hints.fetch_only.extend(range(max(last, cursor.ahead) + 1, fetch_stop + 1))
-        cursor.ahead = max(cursor.ahead, fetch_stop)
+        stop = min(last + cursor.window, self.last_index)
+        hints.extend(range(max(last, cursor.ahead) + 1, stop + 1))
+        cursor.ahead = max(cursor.ahead, stop)
 
     @staticmethod
     def _in_order(cursor: Cursor, off: int, end: int, first: int, last: int) -> bool:
@@ -127,8 +89,8 @@ class SequentialReadahead:
         )
         if not sequential:
             cursor.streak = 0
-            cursor.window = cursor.cache_window = 0
-            cursor.ahead = cursor.advised = -1
+            cursor.window = 0
+            cursor.ahead = -1
         elif last > cursor.last_chunk:
             # Counted in chunks entered in order, so that a few small reads
             # inside one chunk (SQLite's header, the kernel's first
@@ -137,42 +99,6 @@ class SequentialReadahead:
         cursor.next_off = end
         cursor.last_chunk = last
         return cursor.streak >= 2
-
-
-class CacheWindow:
-    """Applies to a sequential read when ``cache_readahead_max`` is set (off
-    by default, see `PrefetchConfig`): chunks already in the disk cache are
-    advised to the kernel up to that many chunks ahead, a wider window than
-    the GETs'. Chunks new to both windows are prefetched as usual; those
-    new to one window only are fetched only if not in the disk cache, or
-    advised only if in it."""
-
-    __slots__ = ("config", "last_index")
-
-    def __init__(self, config: PrefetchConfig, nchunks: int):
-        self.config = config
-        self.last_index = nchunks - 1
-
-    def hint(self, cursor: Cursor, last: int, fetch_stop: int, hints: Hints) -> None:
-        cfg = self.config
-        cursor.cache_window = _grow(cursor.cache_window, cfg.readahead_initial,
-                                    max(cfg.cache_readahead_max, cfg.readahead_max))
-        advise_stop = min(last + cursor.cache_window, self.last_index)
-        if cursor.advised - last >= cursor.cache_window // 2:
-            # Still half a window ahead: advise in steps of at least half a
-            # window (8 MiB at most), not one step per read request, since
-            # each step is a thread hop.
-            advise_stop = cursor.advised
-        for i in range(max(last, min(cursor.ahead, cursor.advised)) + 1, max(fetch_stop, advise_stop) + 1):
-            fetch = cursor.ahead < i <= fetch_stop
-            advise = cursor.advised < i <= advise_stop
-            if fetch and advise:
-                hints.both.append(i)
-            elif fetch:
-                hints.fetch_only.append(i)
-            elif advise:
-                hints.advise_only.append(i)
-        cursor.advised = max(cursor.advised, advise_stop)
 
 
 @dataclass(slots=True)
@@ -229,7 +155,7 @@ class BtreeReadahead:
         except Exception:  # noqa: BLE001 - hints only; never fail a read for them
             log.debug("cannot parse chunk %d of %s for prefetch", index, path, exc_info=True)
 
-    def hint(self, off: int, first: int, last: int, hints: Hints) -> None:
+    def hint(self, off: int, first: int, last: int, hints: list[int]) -> None:
         """Note a read at ``off`` (chunks ``first``..``last``) and add to
         ``hints`` the chunks of the siblings a scan reads next."""
         page = off // self.page_size + 1
@@ -248,7 +174,7 @@ class BtreeReadahead:
         if 0 < step <= 2:
             scan.window = _grow(scan.window, self.config.readahead_initial, self.config.btree_max)
             chunks = self._next_chunks(siblings, max(idx + 1, scan.ahead + 1), scan, first, last)
-            (hints.both if self.config.advising else hints.fetch_only).extend(chunks)
+            hints.extend(chunks)
         elif step != 0:
             scan.window = 0
             scan.ahead = -1

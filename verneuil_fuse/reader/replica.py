@@ -15,9 +15,14 @@ chunks they name to the fetcher, which skips those cached or under way.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from verneuil_fuse.format import CHUNK_SIZE, ZERO_CHUNK_FPRINT, ChunkSource, Fprint, Manifest, chunk_source
-from verneuil_fuse.reader.fetcher import FetchError, Fetcher
-from verneuil_fuse.reader.prefetch import BtreeReadahead, Cursor, Hints, PrefetchConfig, SequentialReadahead
+from verneuil_fuse.reader.prefetch import BtreeReadahead, Cursor, PrefetchConfig, SequentialReadahead
+from verneuil_fuse.reader.store_gets import FetchError
+
+if TYPE_CHECKING:  # the fetcher's hydration (a part of it) knows replicas
+    from verneuil_fuse.reader.fetcher import Fetcher
 
 __all__ = ["Cursor", "PrefetchConfig", "Replica"]
 
@@ -185,28 +190,17 @@ class Replica:
         """The chunks of ``indices`` that would need a fetch."""
         return [i for i in indices if 0 <= i < self.nchunks and not self.is_local(i)]
 
-    def _prefetch(self, indices, **kw) -> None:
-        remote = self._remote(indices)
-        if self.packed:
-            kw["sources"] = self._sources(remote)
-        self.fetcher.prefetch([self.manifest.chunks[i] for i in remote], **kw)
-
     def _hint(self, off: int, end: int, first: int, last: int, cursor: Cursor | None) -> None:
         """Hand the fetcher the chunks the prefetch policies name for this
         read (`prefetch.py`)."""
-        hints = Hints()
+        hints: list[int] = []
         if cursor is not None and self._sequential is not None:
             self._sequential.hint(cursor, off, end, first, last, hints)
         if self._btree is not None:
             self._btree.hint(off, first, last, hints)
-        if not hints:
-            return
-        if hints.both:
-            self._prefetch(hints.both)
-        if hints.fetch_only:
-            self._prefetch(hints.fetch_only, advise=False)
-        if hints.advise_only:
-            self._prefetch(hints.advise_only, fetch=False)
+        if hints:
+            remote = self._remote(hints)
+            self.fetcher.prefetch([self.manifest.chunks[i] for i in remote], sources=self._sources(remote))
 
     def all_remote_chunks(self) -> tuple[list[Fprint], list[ChunkSource] | None]:
         """Every chunk that would need a fetch (for eager hydration), and

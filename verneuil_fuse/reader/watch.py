@@ -23,8 +23,9 @@ from typing import Any
 
 import trio
 
-from verneuil_fuse.reader.catalog import Catalog, DbEntry
+from verneuil_fuse.reader.catalog import Catalog
 from verneuil_fuse.reader.fetcher import FetchError
+from verneuil_fuse.reader.tree import DbEntry
 from verneuil_fuse.store import NotFound, StoreError
 
 log = logging.getLogger(__name__)

@@ -47,14 +47,14 @@ immutable, infer_rows (query mode: rows used to infer types, default 100),
 partition_bytes (e.g. 64m), min_partitions, partitions (an exact count,
 balanced by size), arrow (true), pushdown (true; table mode).
 """
-from .convert import SUPPORTED_TYPES, ConversionError
-from .files import (DB_SUFFIXES, DatabaseError, VerneuilSourceError, balance, connect_readonly,
-                    explain_failure, find_databases, plan_by_bytes)
-from .options import ON_ERROR, OPTIONS
-from .query import check_output, explain, run_query, without_errors
-from .schema import ERROR_COLUMN, SOURCE_COLUMN, infer_schema, table_schema
-from .session import spark_session
-from .source import DatabaseGroup, VerneuilDataSource, VerneuilReader, VerneuilTableReader
+from verneuil_fuse.spark.convert import SUPPORTED_TYPES, ConversionError
+from verneuil_fuse.spark.files import (DB_SUFFIXES, DatabaseError, VerneuilSourceError, balance,
+                                       connect_readonly, explain_failure, find_databases, plan_by_bytes)
+from verneuil_fuse.spark.options import ON_ERROR, OPTIONS
+from verneuil_fuse.spark.query import check_output, explain, run_query, without_errors
+from verneuil_fuse.spark.schema import ERROR_COLUMN, SOURCE_COLUMN, infer_schema, table_schema
+from verneuil_fuse.spark.session import spark_session
+from verneuil_fuse.spark.source import DatabaseGroup, VerneuilDataSource, VerneuilReader, VerneuilTableReader
 
 __all__ = [
     "ConversionError", "DB_SUFFIXES", "DatabaseError", "DatabaseGroup", "ERROR_COLUMN", "ON_ERROR", "OPTIONS",

@@ -13,9 +13,9 @@ import datetime
 import decimal
 from typing import Sequence
 
-from pyspark.sql.types import (BinaryType, BooleanType, ByteType, DataType, DateType,
-                               DecimalType, DoubleType, FloatType, IntegerType, LongType,
-                               ShortType, StringType, StructType, TimestampType)
+from pyspark.sql.types import (BinaryType, BooleanType, ByteType, DataType, DateType, DecimalType, DoubleType,
+                               FloatType, IntegerType, LongType, ShortType, StringType, StructType,
+                               TimestampType)
 
 SUPPORTED_TYPES = (LongType, IntegerType, ShortType, ByteType, BooleanType, DoubleType, FloatType,
                    DecimalType, StringType, BinaryType, TimestampType, DateType)

@@ -5,7 +5,7 @@ import json
 import os
 import re
 
-from .files import DEFAULT_PARTITION_BYTES, VerneuilSourceError, find_databases
+from verneuil_fuse.spark.files import DEFAULT_PARTITION_BYTES, VerneuilSourceError, find_databases
 
 # Enough rows to see a non-NULL value in most columns, few enough to be cheap.
 DEFAULT_INFER_ROWS = 100

@@ -7,9 +7,9 @@ from typing import Sequence
 
 from pyspark.sql.types import StringType, StructField, StructType
 
-from .convert import spark_type
-from .files import VerneuilSourceError, connect_readonly
-from .tables import spark_type_of, table_columns
+from verneuil_fuse.spark.convert import spark_type
+from verneuil_fuse.spark.files import VerneuilSourceError, connect_readonly
+from verneuil_fuse.spark.tables import spark_type_of, table_columns
 
 SOURCE_COLUMN = "_source"
 ERROR_COLUMN = "_error"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from .classcache import ClassArchive
-from .source import VerneuilDataSource
+from verneuil_fuse.spark.classcache import ClassArchive
+from verneuil_fuse.spark.source import VerneuilDataSource
 
 # What a `quiet` session launched itself, for `finish_session`.
 _launched: dict = {}

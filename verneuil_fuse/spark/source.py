@@ -14,12 +14,12 @@ from typing import Iterator
 from pyspark.sql.datasource import DataSource, DataSourceReader, Filter, InputPartition
 from pyspark.sql.types import StructType
 
-from .convert import SUPPORTED_TYPES, ColumnBuilder, ConversionError, arrow_schema, convert
-from .files import (DatabaseError, VerneuilSourceError, balance, connect_readonly, explain_failure,
-                    is_decode_error, plan_by_bytes)
-from .options import Options
-from .schema import ERROR_COLUMN, INFER_DATABASES, SOURCE_COLUMN, infer_schema, table_schema
-from .tables import compare_kind, describe, quote, spark_type_of, table_columns, to_sql
+from verneuil_fuse.spark.convert import SUPPORTED_TYPES, ColumnBuilder, ConversionError, arrow_schema, convert
+from verneuil_fuse.spark.files import (DatabaseError, VerneuilSourceError, balance, connect_readonly,
+                                       explain_failure, is_decode_error, plan_by_bytes)
+from verneuil_fuse.spark.options import Options
+from verneuil_fuse.spark.schema import ERROR_COLUMN, INFER_DATABASES, SOURCE_COLUMN, infer_schema, table_schema
+from verneuil_fuse.spark.tables import compare_kind, describe, quote, spark_type_of, table_columns, to_sql
 
 log = logging.getLogger("verneuil_fuse.spark")
 

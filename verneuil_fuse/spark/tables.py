@@ -19,9 +19,8 @@ import sqlite3
 from typing import Any, NamedTuple
 
 from pyspark.sql import datasource as ds
-from pyspark.sql.types import (BinaryType, BooleanType, ByteType, DataType, DateType,
-                               DecimalType, DoubleType, IntegerType, LongType, ShortType,
-                               StringType, TimestampType)
+from pyspark.sql.types import (BinaryType, BooleanType, ByteType, DataType, DateType, DecimalType, DoubleType,
+                               IntegerType, LongType, ShortType, StringType, TimestampType)
 
 # More values than this in an IN list stay with Spark: SQLite binds one
 # parameter per value and older builds allow 999 in a statement.

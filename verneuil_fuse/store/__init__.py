@@ -9,11 +9,14 @@ This package owns every access to blob storage; boto3 is imported only here
   ``VERNEUIL_CONFIG`` environment variable.  Syntax: `config` module docstring.
 - `parse_config(spec) -> dict`: the same spec as a Verneuil-shaped config dict,
   for modules that need other keys (``replication_spooling_dir``, ...).
-- `read_chunk(backend, source, fp)` / `read_run`: one verified read of a
-  chunk (or of a run of adjacent chunks of a pack) where
-  `format.chunk_source` says it is, in either layout (`chunkread`).
-- `Store` (``chunks``, ``manifests``, ``url``, ``layout``), the `Backend` protocol,
-  `ObjectInfo`, `VersionInfo`, `Tagged`, and the errors: `StoreError` > `NotFound`,
+- `Reads(store, max_db_size=...)`: the one verified, bounded read of a
+  store's manifests and chunks, in either layout, every reader's; its
+  failures for people as `ReadError`; `ChunkReads`, the part of it the
+  reader's flights use (`reads`).
+- `Store` (``chunks``, ``manifests``, ``url``, ``layout``), the `Backend` protocol
+  and the `Capabilities` a backend may have (`DirectReads` with its
+  `DirectGets`, `AsyncPuts`, `CredentialsView`), `ObjectInfo`, `VersionInfo`,
+  `Tagged`, and the errors: `StoreError` > `NotFound`,
   `BucketNotFound`, `AccessDenied`, `TransientError`, `TooLarge`,
   `InvalidKey`, `ConfigError`.
 - Implementations: `LocalBackend` (here) and `S3Backend` / `make_client`
@@ -23,12 +26,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import (
+from verneuil_fuse.store.base import (
     MAX_KEY_BYTES,
+    NO_CAPABILITIES,
     AccessDenied,
+    AsyncPuts,
     Backend,
     BucketNotFound,
+    Capabilities,
     ConfigError,
+    CredentialsView,
+    DirectGets,
+    DirectReads,
     InvalidKey,
     NotFound,
     ObjectInfo,
@@ -42,9 +51,9 @@ from .base import (
     VersionInfo,
     check_key,
 )
-from .chunkread import read_chunk, read_run
-from .config import ENV_VAR, LAYOUT_CHUNKS, LAYOUT_PACKED, LAYOUTS, open_store, parse_config, store_target, target_url
-from .local import LocalBackend
+from verneuil_fuse.store.config import ENV_VAR, LAYOUT_CHUNKS, LAYOUT_PACKED, LAYOUTS, open_store, parse_config, store_target, target_url
+from verneuil_fuse.store.local import LocalBackend
+from verneuil_fuse.store.reads import ChunkReads, ReadError, Reads
 
 __all__ = [
     "ENV_VAR",
@@ -52,14 +61,23 @@ __all__ = [
     "LAYOUT_CHUNKS",
     "LAYOUT_PACKED",
     "MAX_KEY_BYTES",
+    "NO_CAPABILITIES",
     "AccessDenied",
+    "AsyncPuts",
     "Backend",
     "BucketNotFound",
+    "Capabilities",
+    "ChunkReads",
     "ConfigError",
+    "CredentialsView",
+    "DirectGets",
+    "DirectReads",
     "InvalidKey",
     "LocalBackend",
     "NotFound",
     "ObjectInfo",
+    "ReadError",
+    "Reads",
     "S3Backend",
     "Store",
     "StoreError",
@@ -71,8 +89,6 @@ __all__ = [
     "VersionInfo",
     "check_key",
     "open_store",
-    "read_chunk",
-    "read_run",
     "parse_config",
     "store_target",
     "target_url",
@@ -81,8 +97,12 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # S3Backend / make_client without importing boto3 for directory-only users.
-    if name in ("S3Backend", "make_client"):
-        from . import s3
+    if name == "S3Backend":
+        from verneuil_fuse.store.s3 import S3Backend
 
-        return getattr(s3, name)
+        return S3Backend
+    if name == "make_client":
+        from verneuil_fuse.store.s3 import make_client
+
+        return make_client
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,6 +12,12 @@ rely on:
   the layout copiers write it in (`layout`: "chunks" or "packed").
 - `ObjectInfo` / `VersionInfo`: what listings yield; `Tagged`: a blob and
   the tag of its version, what a conditional read (`get_if_changed`) gives.
+- `Capabilities`: what a backend can do beyond the calls every backend has,
+  as types (`Backend.capabilities()`; a field is None when it cannot):
+  `DirectReads` (objects another engine may GET itself, with the URLs and
+  signing `DirectGets` describes: S3), `AsyncPuts` (PUTs started without a
+  thread waiting on each: S3's HTTP engine) and `CredentialsView` (the
+  state of the credentials that sign its requests, for the stats).
 - The error hierarchy.  Every failure of a backend call is a `StoreError`
   (never a botocore or OSError leaking through), and no message ever holds a
   credential:
@@ -35,7 +41,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from verneuil_fuse.store.curl import Response
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +211,71 @@ def check_range(start: int, end: int) -> None:
         raise ValueError(f"invalid byte range [{start}, {end})")
 
 
+@dataclasses.dataclass(frozen=True)
+class DirectGets:
+    """What an engine of the caller's needs to GET a backend's objects
+    itself (`DirectReads.direct_gets`): an object's URL (``url(key)``) and
+    what every GET of it is sent with."""
+
+    url: Callable[[str], str]
+    headers: list[str]
+    sigv4: tuple[str, str, str] | None  # libcurl's AWS_SIGV4 spec, access key, secret
+    connect_timeout: float
+    idle_timeout: float  # no byte for this long ends a GET
+
+
+class DirectReads(Protocol):
+    """A backend whose objects another engine may GET itself (the reader's
+    chunk engine in C, reader/chunk_engine.py), without a thread or a
+    Python call per request."""
+
+    def direct_gets(self) -> Optional[DirectGets]:
+        """The URLs and signing of GETs sent now; None: not now nor later
+        (the engine path is off: `Backend.get` serves). Never waits: a
+        StoreError while the credentials that would sign them are being
+        refreshed or could not be (the path stays)."""
+        ...
+
+    def direct_get_error(self, key: str, failure: "Response | OSError", max_bytes: int) -> Optional[StoreError]:
+        """The StoreError a failed direct GET means (a non-2xx answer, or
+        none); None: the engine path is off from now on (`Backend.get`
+        serves this GET)."""
+        ...
+
+
+class AsyncPuts(Protocol):
+    """A backend that starts PUTs without a thread waiting on each."""
+
+    def put_async(self, key: str, data: bytes, done: Callable[[Optional[StoreError]], None]) -> bool:
+        """Start a PUT of `key`; `done` gets None once it is stored, or the
+        StoreError, on another thread (keep it short). False, and nothing
+        started, when it cannot now (`Backend.put` then serves it, and says
+        why)."""
+        ...
+
+
+class CredentialsView(Protocol):
+    """The credentials that sign a backend's requests, as the stats show
+    them (`store.credentials.CredentialKeeper`)."""
+
+    def describe(self) -> dict:
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond `Backend`'s calls (`Backend.capabilities`);
+    a field is None when it cannot."""
+
+    direct: Optional[DirectReads] = None
+    async_puts: Optional[AsyncPuts] = None
+    credentials: Optional[CredentialsView] = None
+
+
+# A backend with no capability beyond `Backend`'s calls (a directory).
+NO_CAPABILITIES = Capabilities()
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One bucket (or directory) of blobs, accessed synchronously.
@@ -290,6 +364,14 @@ class Backend(Protocol):
         with one identity hold the same blobs."""
         ...
 
+    def capabilities(self) -> Capabilities:
+        """What it can do beyond these calls (`Capabilities`)."""
+        ...
+
+    def close(self) -> None:
+        """Release connections and threads (idempotent)."""
+        ...
+
 
 @dataclasses.dataclass
 class Store:
@@ -312,13 +394,10 @@ class Store:
         return f"chunks: {chunks}; manifests: {manifests}"
 
     def close(self) -> None:
-        """Release connections (idempotent); backends without `close` are fine."""
-        seen: set[int] = set()
-        for backend in (self.chunks, self.manifests):
-            close = getattr(backend, "close", None)
-            if close is not None and id(backend) not in seen:
-                seen.add(id(backend))
-                close()
+        """Release connections (idempotent)."""
+        self.chunks.close()
+        if self.manifests is not self.chunks:
+            self.manifests.close()
 
     def __enter__(self) -> "Store":
         return self

@@ -71,8 +71,8 @@ import os
 import urllib.parse
 from typing import Any, Mapping
 
-from .base import ConfigError, Store
-from .local import LocalBackend
+from verneuil_fuse.store.base import ConfigError, Store
+from verneuil_fuse.store.local import LocalBackend
 
 # A directory store's manifest history (the S3 equivalent is the manifest
 # bucket's versioning and its lifecycle rule).  1000 past versions cost about
@@ -556,7 +556,7 @@ def open_store(spec: str | os.PathLike[str] | Mapping[str, Any] | None = None, *
             layout=target["layout"],
         )
     else:
-        from . import s3  # boto3 is imported only when an S3 store is opened
+        from verneuil_fuse.store import s3  # boto3 is imported only when an S3 store is opened
 
         client = s3.make_client(
             endpoint=target["endpoint"],

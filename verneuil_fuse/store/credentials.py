@@ -41,7 +41,7 @@ from typing import Any
 
 import botocore.credentials
 
-from .base import TransientError
+from verneuil_fuse.store.base import TransientError
 
 log = logging.getLogger(__name__)
 

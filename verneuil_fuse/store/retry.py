@@ -6,6 +6,7 @@ synchronous requests).
   "full jitter" by default) and how many attempts in all.
 - `retry`: the loop for a blocking call, bounded by the attempts and an
   optional deadline, interruptible by a stop event.
+- `retried`: `retry` with the defaults, for a one-off command's request;
 - `retry_async`: the same loop for a coroutine; the caller passes its event
   loop's sleep and bounds it by its own deadline (a cancel scope).
 
@@ -102,6 +103,12 @@ def retry(fn: Callable[[], T], *, backoff: Backoff, transient: Retryable = TRANS
                     raise Stopped() from e
             else:
                 time.sleep(delay)
+
+
+def retried(fn: Callable[[], T], what: str) -> T:
+    """One store request, retried while transient on the default schedule
+    (`Backoff()`): what a one-off command (repair, convert) makes."""
+    return retry(fn, backoff=Backoff(), what=what)
 
 
 async def retry_async(fn: Callable[[], Awaitable[T]], *, backoff: Backoff, sleep: Callable[[float], Awaitable],

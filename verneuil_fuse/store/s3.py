@@ -42,7 +42,6 @@ import re
 import threading
 import urllib.parse
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import boto3
@@ -52,15 +51,17 @@ import botocore.exceptions
 import botocore.session
 from botocore.config import Config
 
-from .credentials import REFRESH_TIMEOUT, CredentialKeeper, CredentialsUnavailable
-from .curl import BodyTooLarge, CurlEngine, Request, Response
-from .retry import Backoff, retry
-from .listing import ListingFormatError, list_query, parse_list_page
+from verneuil_fuse.store.credentials import REFRESH_TIMEOUT, CredentialKeeper, CredentialsUnavailable
+from verneuil_fuse.store.curl import BodyTooLarge, CurlEngine, Request, Response
+from verneuil_fuse.store.retry import Backoff, retry
+from verneuil_fuse.store.listing import ListingFormatError, list_query, parse_list_page
 
-from .base import (
+from verneuil_fuse.store.base import (
     AccessDenied,
     BucketNotFound,
+    Capabilities,
     ConfigError,
+    DirectGets,
     InvalidKey,
     NotFound,
     ObjectInfo,
@@ -262,18 +263,6 @@ class _KeptCredentials(botocore.credentials.Credentials):
     token = property(lambda self: self.get_frozen_credentials().token)
 
 
-@dataclass(frozen=True)
-class DirectGets:
-    """`S3Backend.direct_gets`: an object's URL (``url(key)``) and what
-    every GET of it is sent with."""
-
-    url: Callable[[str], str]
-    headers: list[str]
-    sigv4: tuple[str, str, str] | None  # libcurl's AWS_SIGV4 spec, access key, secret
-    connect_timeout: float
-    idle_timeout: float  # no byte for this long ends a GET
-
-
 def safe_endpoint(endpoint: str | None) -> str | None:
     """`endpoint` without user info, query or fragment, fit for messages."""
     if not endpoint:
@@ -363,6 +352,12 @@ def _keep_credentials(client: Any, keeper: CredentialKeeper) -> None:
     _KEEPERS[client] = keeper
 
 
+# S3Backend must be one class: it is the `Backend` protocol on one bucket,
+# and each of its methods is one kind of request sent either through boto3
+# or on the HTTP engine (`curl.CurlEngine`), sharing the client, the engine,
+# the credentials' keeper, the bucket's region and prefix, and the mapping
+# of S3's answers to StoreErrors; what does not depend on those is apart
+# already (`curl`, `credentials`, `listing`, `retry`).
 class S3Backend:
     """One S3 bucket (under an optional key prefix) as a `Backend`.
 
@@ -420,6 +415,13 @@ class S3Backend:
     def __repr__(self) -> str:
         return f"S3Backend({self.describe()!r})"
 
+    def capabilities(self) -> Capabilities:
+        """Direct GETs (the reader's chunk engine) and PUTs on the HTTP
+        engine, both where the engine path is on (else each call says so:
+        `direct_gets` None, `put_async` False); the credentials' keeper for
+        the stats, when `make_client` made the client."""
+        return Capabilities(direct=self, async_puts=self, credentials=self.credentials)
+
     def close(self) -> None:
         """Close the (possibly shared) client's connections and this
         backend's engine; idempotent."""
@@ -428,9 +430,7 @@ class S3Backend:
             self.use_engine = False
         if engine is not None:
             engine.close()
-        close = getattr(self.client, "close", None)
-        if close is not None:
-            close()
+        self.client.close()
 
     def _full(self, key: str) -> str:
         return self.prefix + check_key(key)

@@ -1,5 +1,6 @@
 """The versions of a database in the store, read for `verneuilctl versions`
-and `restore --at`: each version's manifest fetched and decoded, its time
+and `restore --at`: each version's manifest read and decoded through the
+store's one verified read (`store.Reads`), its time
 (`history.version_time_ns`), its chunks checked for presence, and the
 version current at a given time found by `history.newest_at` (back from
 the newest version). Blocking: worker threads from `pool.DaemonPool`."""
@@ -9,7 +10,11 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
+from verneuil_fuse import format as fmt
 from verneuil_fuse.history import NS, format_time, newest_at, version_time_ns
+from verneuil_fuse.pool import DaemonPool
+from verneuil_fuse.readback.repair import find_missing
+from verneuil_fuse.store import ReadError, Reads, Store
 
 log = logging.getLogger(__name__)
 
@@ -40,30 +45,23 @@ class Version:
         return out
 
 
-def load_version(store, key: str, info, max_db_size: int) -> Version:
+def load_version(reads: Reads, key: str, info) -> Version:
     """The version `info` of manifest `key`, decoded (base chunk fetched)
     when possible; an unreadable one gets the store's time and an error."""
-    from .restore import RestoreError, fetch_manifest
     try:
-        m = fetch_manifest(store, key, info.version_id, max_db_size=max_db_size)
-    except RestoreError as e:
+        m = reads.load(key, info.version_id)
+    except ReadError as e:
         t, source = version_time_ns(None, info.mtime)
         return Version(info, t, source, error=str(e))
     t, source = version_time_ns(m, info.mtime)
     return Version(info, t, source, manifest=m)
 
 
-def list_history(store, key: str) -> list:
-    """The VersionInfo of every version of `key`, oldest first."""
-    return list(reversed(store.manifests.list_versions(key)))
-
-
-def load_all(store, key: str, infos: list, *, max_db_size: int, workers: int) -> list[Version]:
+def load_all(reads: Reads, key: str, infos: list, *, workers: int) -> list[Version]:
     """Every version of `infos` read, `workers` at a time, in the same order."""
-    from .pool import DaemonPool
     pool = DaemonPool(max(1, workers), name="history")
     try:
-        results = pool.map(lambda info: load_version(store, key, info, max_db_size), infos)
+        results = pool.map(lambda info: load_version(reads, key, info), infos)
     finally:
         pool.close()
     out = []
@@ -77,7 +75,6 @@ def load_all(store, key: str, infos: list, *, max_db_size: int, workers: int) ->
 def _missing_in(m, missing: set) -> int:
     """How many chunk blobs `m` needs (distinct chunks, and its base chunk)
     sit in objects of `missing`."""
-    from .. import format as fmt
     lost: set = set()
     for key, indices in fmt.stored_objects(m).items():
         if key not in missing:
@@ -89,13 +86,10 @@ def _missing_in(m, missing: set) -> int:
     return len(lost)
 
 
-def check_chunks(store, versions: list[Version], *, workers: int) -> None:
+def check_chunks(store: Store, versions: list[Version], *, workers: int) -> None:
     """Set `missing_chunks` of every readable version: one existence check
     per distinct object of them all (a chunk object, or a pack in the
     packed layout), `workers` at a time."""
-    from .. import format as fmt
-    from .pool import DaemonPool
-    from .repair import find_missing
     needed: dict = {}
     for v in versions:
         if v.manifest is not None:
@@ -110,16 +104,16 @@ def check_chunks(store, versions: list[Version], *, workers: int) -> None:
             v.missing_chunks = _missing_in(v.manifest, missing)
 
 
-def version_at(store, key: str, at_ns: int, *, max_db_size: int) -> tuple[Optional[Version], list]:
+def version_at(reads: Reads, key: str, at_ns: int) -> tuple[Optional[Version], list]:
     """(the version current at `at_ns` or None, every VersionInfo oldest
     first), reading the manifests of the versions from the newest back to
     the one chosen."""
-    infos = list_history(store, key)
+    infos = reads.versions(key)
     loaded: dict[int, Version] = {}
 
     def time_of(index: int) -> int:
         if index not in loaded:
-            loaded[index] = load_version(store, key, infos[index], max_db_size)
+            loaded[index] = load_version(reads, key, infos[index])
         return loaded[index].time_ns
 
     index = newest_at(len(infos), at_ns, time_of)

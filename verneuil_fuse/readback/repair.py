@@ -40,13 +40,10 @@ import os
 import struct
 from typing import Callable, Optional
 
-from .. import format as fmt
-from ..format import manifest_pb2
-from ..store import NotFound, TransientError
-from . import spool as sp
-from .pacing import Backoff, retry
-from .pool import DaemonPool
-from .restore import RestoreError
+from verneuil_fuse import format as fmt
+from verneuil_fuse.pool import DaemonPool
+from verneuil_fuse.store import NotFound, ReadError, Reads, Store
+from verneuil_fuse.store.retry import retried
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +63,11 @@ CHECKING = "checking"
 REPAIRING = "repairing"
 
 
-class NoManifest(RestoreError):
+class NoManifest(ReadError):
     """The store has no manifest for this database: nothing to repair."""
 
 
-class LostBaseChunk(RestoreError):
+class LostBaseChunk(ReadError):
     """The manifest's base chunk is missing and the source cannot rebuild
     it: without it the manifest's chunk list cannot be read."""
 
@@ -122,64 +119,50 @@ class RepairReport:
         }
 
 
-def retry_transient(fn: Callable, what: str):
-    """One store request, retried while the error is transient (the
-    copier's backoff: 6 attempts, jittered, capped at 2 s)."""
-    return retry(fn, transient=(TransientError,), backoff=Backoff(), what=what)
-
-
 # -- 1. the manifest ----------------------------------------------------------------
 
-def find_manifest(store, name: str, source: Optional[str] = None
+def store_reads(store: Store) -> Reads:
+    """The reads of `store` repair makes: every request retried while
+    transient, a manifest bounded as the writer bounds its database
+    (`format.MAX_REPLICATED_DB_SIZE`: any manifest a writer made)."""
+    return Reads(store, max_db_size=fmt.MAX_REPLICATED_DB_SIZE, request=retried)
+
+
+def find_manifest(reads: Reads, name: str, source: Optional[str] = None
                   ) -> tuple[fmt.Manifest, Optional[bytes]]:
     """The store's current manifest `name`, decoded and validated, and the
     bytes of its base chunk when the store has lost that chunk and it was
     rebuilt from `source` (None otherwise).  NoManifest if there is none,
-    LostBaseChunk if its base chunk is lost for good, RestoreError if it is
-    corrupt."""
+    LostBaseChunk if its base chunk is lost for good, ReadError if it is
+    corrupt or past the bound."""
     try:
-        blob = retry_transient(lambda: store.manifests.get(name), "get manifest")
+        blob = reads.manifest_blob(name)
     except NotFound:
-        raise NoManifest("no manifest %s in %s" % (name, store.manifests.describe())) from None
+        raise NoManifest("no manifest %s in %s" % (name, reads.where_manifests())) from None
     lost: list[fmt.Fprint] = []
 
     def fetch(fp: fmt.Fprint) -> bytes:
         try:
-            data = retry_transient(lambda: store.chunks.get(fp.name, max_bytes=fmt.base_chunk_blob_limit()),
-                          "get base chunk")
+            return reads.base_chunk(fp)
         except NotFound:
             lost.append(fp)
             raise
-        return fmt.decode_base_chunk(data, fp)
 
+    what = "manifest %s" % name
     try:
-        return fmt.decode_and_validate(blob, fetch_chunk=fetch), None
-    except fmt.ManifestError as e:
+        with reads.explained(what):
+            return reads.decode(blob, base=fetch), None
+    except ReadError:
         if not lost:
-            raise RestoreError("corrupt manifest %s: %s" % (name, e)) from None
+            raise
     base_fp = lost[0]
     base = rebuild_base_chunk(blob, base_fp, source) if source is not None else None
     if base is None:
         raise LostBaseChunk("the base chunk %s of manifest %s is missing from the store, and "
                             "the source file no longer holds that snapshot's chunks"
                             % (base_fp.name, name), base_fp)
-    try:
-        return fmt.decode_and_validate(blob, fetch_chunk=lambda fp: base), base
-    except fmt.ManifestError as e:
-        raise RestoreError("corrupt manifest %s: %s" % (name, e)) from None
-
-
-def _raw_manifest(blob: bytes) -> bytes:
-    """The protobuf bytes of a manifest blob (zstd or raw, as decoding
-    accepts it; only called once the blob decoded but for its base chunk)."""
-    if not blob.startswith(fmt.ZSTD_MAGIC):
-        return blob
-    import zstandard
-    try:
-        with zstandard.ZstdDecompressor().stream_reader(blob) as reader:
-            return reader.read(fmt.MAX_MANIFEST_BYTES + 1)
-    except zstandard.ZstdError:
-        return blob
+    with reads.explained(what):
+        return reads.decode(blob, base=lambda fp: base), base
 
 
 def source_chunk_list(path: str, length: int) -> Optional[list[fmt.Fprint]]:
@@ -203,19 +186,16 @@ def rebuild_base_chunk(blob: bytes, base_fp: fmt.Fprint, source: str) -> Optiona
     the manifest's contents_fprint), the stored list XOR the real one gives
     the base chunk's first words, and the length whose bytes have the base
     chunk's fingerprint is the base chunk.  None when that cannot be done."""
-    top = manifest_pb2.Manifest()
     try:
-        top.ParseFromString(_raw_manifest(blob))
-    except Exception:  # the protobuf runtime raises DecodeError and friends
+        stored_fields = fmt.stored_fields(blob)
+    except fmt.ManifestError:
         return None
-    v1 = top.v1
-    stored = list(v1.chunks)
+    stored = stored_fields.words
     try:
-        real = source_chunk_list(source, v1.len)
+        real = source_chunk_list(source, stored_fields.len)
     except OSError:
         return None
-    if real is None or fmt.contents_fprint_of(real) != fmt.Fprint(
-            v1.contents_fprint.major, v1.contents_fprint.minor):
+    if real is None or fmt.contents_fprint_of(real) != stored_fields.contents_fprint:
         return None
     words = [w for fp in real for w in fp]
     if len(words) != len(stored):
@@ -250,7 +230,7 @@ def find_missing(store, keys: list[str], pool: DaemonPool,
                  progress: Optional[Progress] = None) -> list[str]:
     """The objects of `keys` the store lacks, in the order given."""
     def exists(key: str) -> bool:
-        return retry_transient(lambda: store.chunks.exists(key), "check object")
+        return retried(lambda: store.chunks.exists(key), "check object")
 
     missing = []
     for start in range(0, len(keys), BATCH):
@@ -357,7 +337,7 @@ def _repair_missing(store, m: fmt.Manifest, report: RepairReport, objects: dict[
             return "unrepairable"
         if report.dry_run:
             return "repairable"
-        retry_transient(lambda: store.chunks.put_if_absent(key, blob), "put object")
+        retried(lambda: store.chunks.put_if_absent(key, blob), "put object")
         return "repaired"
 
     for start in range(0, len(missing), BATCH):
@@ -375,15 +355,15 @@ def _repair_missing(store, m: fmt.Manifest, report: RepairReport, objects: dict[
             progress(REPAIRING, start + len(batch), len(missing))
 
 
-def repair_database(store, source: str, name: str, *, dry_run: bool = False,
+def repair_database(store: Store, source: str, name: str, *, dry_run: bool = False,
                     workers: int = DEFAULT_WORKERS,
                     progress: Optional[Progress] = None) -> RepairReport:
     """Check, and unless `dry_run` repair, the objects of manifest `name`
-    from the database file `source`.  Raises NoManifest / RestoreError (the
+    from the database file `source`.  Raises NoManifest / ReadError (the
     manifest), OSError (the source cannot be read) and StoreError."""
     report = RepairReport(source=source, manifest=name, dry_run=dry_run)
     try:
-        m, base = find_manifest(store, name, source)
+        m, base = find_manifest(store_reads(store), name, source)
     except LostBaseChunk as e:
         lost = e.fprint.name
         report.base_chunk_unrepairable = True
@@ -414,29 +394,3 @@ def repair_database(store, source: str, name: str, *, dry_run: bool = False,
     if report.repaired:
         log.info("%s: uploaded %d missing objects again", source, len(report.repaired))
     return report
-
-
-# -- which databases ----------------------------------------------------------------
-
-def spool_databases(spool_dir: str, hostname: Optional[str] = None) -> list[tuple[str, str]]:
-    """(source path, manifest name) of every database of this boot in the
-    spool, sorted.  The manifest name is the one the writer staged (so the
-    host name it used), or made from the source path and `hostname` (default
-    this host) when given or when nothing is staged."""
-    sp.check_spool(spool_dir)
-    found: dict[str, str] = {}
-    for root in sp.boot_roots(spool_dir)[0]:
-        for db in sp.list_dbdirs(root):
-            source = db.source()
-            if source is None:
-                log.warning("%s: no source file recorded, skipped", db.path)
-                continue
-            names = []
-            if hostname is None:
-                names = [n for n in sp.listdir_or_empty(db.sub(sp.STAGING, sp.META))
-                         if fmt.parse_manifest_name(n) is not None]
-            if not names:
-                names = [fmt.manifest_name(source, hostname)]
-            for name in names:
-                found.setdefault(name, source)
-    return sorted((source, name) for name, source in found.items())

@@ -1,4 +1,6 @@
-"""A tiny pool of daemon threads for parallel uploads.
+"""A tiny pool of daemon threads for parallel store requests (a copier's
+uploads; restore's, versions' and repair's reads and checks), and `InFlight`,
+a bound on requests under way on another thread.
 
 concurrent.futures' pools join their (non-daemon) workers at interpreter
 exit, which could hold up a writer process's exit behind a slow store; these

@@ -11,14 +11,17 @@ and only then tells the parent, which exits 0 (or prints the child's one-line
 error and exits non-zero), so mount(8) returns once the mount is live. The
 child serves until ``umount``/``fusermount3 -u`` or SIGTERM/SIGINT, then
 unmounts and exits 0. ``-f`` does all of it in the foreground.
+
+The command line and its options are `mount_options`' (one table of them);
+this module checks the paths and the source, sets up logging, builds the
+layers a mount serves from (disk cache, fetcher, catalog, followers, the
+follow loop, FUSE operations), serves and tears them down.
 """
 from __future__ import annotations
 
-import argparse
 import errno
 import logging
 import logging.handlers
-import math
 import os
 import re
 import select
@@ -28,11 +31,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from verneuil_fuse import __version__
+from verneuil_fuse.cli.mount_options import DEFAULT_READ_AHEAD_KB, S3_ONLY_OPTIONS, Options, parse_args
 from verneuil_fuse.errors import EXIT_INTERRUPTED, EXIT_MOUNT, EXIT_SOURCE, EXIT_USAGE, UserError
 from verneuil_fuse.logs import formatter
-from verneuil_fuse.reader.fetcher import DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_CONCURRENCY, DEFAULT_DEADLINE
-from verneuil_fuse.format import CHUNK_SIZE, DEFAULT_MAX_DB_SIZE
+from verneuil_fuse.reader.fetcher import DEFAULT_CONCURRENCY
 from verneuil_fuse.reader.replica import PrefetchConfig
 
 if TYPE_CHECKING:  # annotations only: `serve` imports these itself, so pyfuse3 loads only to mount
@@ -44,130 +46,7 @@ if TYPE_CHECKING:  # annotations only: `serve` imports these itself, so pyfuse3 
     from verneuil_fuse.reader.watch import Watch
     from verneuil_fuse.store import Store
 
-log = logging.getLogger("verneuil_fuse.mount")
-
-# Options libfuse accepts (docs/DESIGN.md); anything else makes fuse_session_new fail.
-LIBFUSE_FLAGS = frozenset(
-    {
-        "ro", "allow_other", "allow_root", "default_permissions", "auto_unmount", "debug",
-        "dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime", "noatime",
-    }
-)
-LIBFUSE_VALUES = frozenset({"fsname", "subtype"})
-# Options mount(8), mount.fuse3 or fstab may hand us that mean nothing here.
-IGNORED_FLAGS = frozenset(
-    {
-        "rw", "defaults", "_netdev", "nofail", "auto", "noauto", "user", "users", "nouser",
-        "owner", "group", "relatime", "norelatime", "strictatime", "nostrictatime",
-        "diratime", "nodiratime", "lazytime", "nolazytime", "sync", "async", "silent", "loud",
-    }
-)
-
-OWN_OPTIONS_HELP = """\
-verneuil options (-o name=value, comma-separated; libfuse's own options ro,
-allow_other, allow_root, default_permissions, auto_unmount, debug, dev/nodev,
-suid/nosuid, exec/noexec, atime/noatime, fsname=, subtype= are passed on;
-rw, defaults, _netdev, nofail, auto/noauto, user(s), x-* are ignored):
-  cache_dir=PATH          chunk cache directory, shared by all mounts and kept
-                          across remounts (default: /var/cache/verneuil as root,
-                          else ~/.cache/verneuil)
-  cache_size=SIZE         bound of the disk cache this mount keeps (mounts
-                          sharing a cache_dir each add theirs), e.g. 2G, 512M;
-                          0 = no disk cache, else at least 16M (default 2G);
-                          it also leaves 5% of its file system free (at most 1G)
-  mem_cache=SIZE          in-process cache of hot chunks (default 64M)
-  refresh=SECONDS         how often the store is polled for new or removed
-                          databases and versions (default 10)
-  follow=on|off           open handles of a live database follow it: a SQLite
-                          connection (mode=ro, not immutable=1) moves to the
-                          newest version at its next read transaction, each
-                          open handle with a page cache of its own; off: a
-                          handle reads the version it opened until it is
-                          closed, and concurrent handles share one page
-                          cache (default on)
-  follow_interval=SECONDS how often the manifests of the databases open or
-                          opened in the last minute are checked (a
-                          conditional GET each, 304 while unchanged); 0: only
-                          the poll (default 0.5)
-  readahead=on|off        sequential readahead (default on)
-  readahead_max=N         largest readahead window, in 64 KiB chunks (default 256)
-  cache_readahead_max=N   largest readahead window for chunks already in the
-                          disk cache, in chunks: no GET, the kernel is advised
-                          to read them from the cache's files (many reads in
-                          flight); 0 leaves that to the kernel's own readahead
-                          of those files (fewer, larger reads) (default 0)
-  btree_prefetch=on|off   B-tree-aware prefetch of the sibling pages a scan
-                          reads next (default on)
-  btree_max=N             largest B-tree prefetch window, in chunks (default 32)
-  concurrency=N           parallel GETs to the store, 1-1024 (default 256 on S3,
-                          128 on a directory store, whose reads take a thread each)
-  prefetch_concurrency=N  of which prefetches may use at most N (default 3/4)
-  retries=N               retries of a failed or slow GET (default 4)
-  timeout=SECONDS         time limit of one GET attempt (default 10)
-  deadline=SECONDS        longest wait for one chunk, retries included; then
-                          the read fails with EREMOTEIO, which SQLite reports
-                          as "disk I/O error" (default 30)
-  max_db_size=SIZE        largest database served: a manifest describing a
-                          larger one is skipped with one log line, and no
-                          manifest object larger than such a database needs
-                          is read (default 64G)
-  hydrate[=on|off]        fetch every chunk of every database into the disk
-                          cache in the background, again for each new
-                          version; progress per database in the stats; needs
-                          a disk cache (default off)
-  entry_timeout=SECONDS   kernel cache of names (default 1)
-  read_ahead_kb=N         the kernel's readahead for this mount, in KiB
-                          (/sys/class/bdi/MAJ:MIN/read_ahead_kb; default
-                          4096: sequential reads become 1 MiB requests,
-                          several in flight)
-  log_file=PATH           log here (default: stderr with -f, else syslog, else,
-                          when /dev/log is missing, /var/log/verneuil/MNT.log
-                          as root or ~/.cache/verneuil/log/MNT.log, named on
-                          stderr once the mount is up)
-  log_level=LEVEL         debug, info (default), warning, error
-  profile=NAME            S3 stores: the AWS profile of the shared credentials
-                          and config files that signs requests (as AWS_PROFILE;
-                          fstab mounts have no environment at boot)
-  credentials_file=PATH   S3 stores: the shared credentials file to read (as
-                          AWS_SHARED_CREDENTIALS_FILE; default ~/.aws/credentials)
-  start_retry=SECONDS     when the store cannot be reached at start (network
-                          not up yet at boot), keep trying for this long,
-                          waiting 1 s doubling to 10 s between attempts, before
-                          failing (default 0: fail at once)
-  metrics_port=PORT       also serve /.verneuil/metrics over HTTP at
-                          http://ADDRESS:PORT/metrics, for Prometheus
-                          (0: any free port, named in the log and the stats)
-  metrics_address=ADDRESS the address for metrics_port (default 127.0.0.1;
-                          0.0.0.0 for every interface)
-  uid=USER, gid=GROUP     owner of every file and directory, a number or a
-                          name (default: the mounting user's)
-  umask=MODE              permission bits taken away, in octal: files are
-                          0444 and directories 0555 less these (default 0;
-                          with allow_other, umask=027 keeps others out)
-  subdir=/HOST[/PATH]     mount one host's databases, or one directory of
-                          them: the directory /HOST/PATH of the whole tree
-                          becomes the mount's root
-"""
-
-# The kernel's readahead for the mount. libfuse answers the kernel's INIT with
-# 128 KiB, so sequential reads arrive as 128 KiB requests, each a round trip
-# through Python. A request is at most 1 MiB (libfuse 3 negotiates max_pages
-# 256) whatever this is; a 4 MiB window keeps up to four of them in flight and
-# ramps up faster after every jump of a scan (16, 64, 256 KiB, then 1 MiB
-# requests instead of 16, 64, 128, 256, 512 KiB): a warm SQL scan served
-# from the disk cache took 0.64-0.65 s instead of 0.77-0.80 s, medians of 5
-# (docs/READER.md). Random reads are not read ahead.
-DEFAULT_READ_AHEAD_KB = 4096
-
-# Largest `concurrency`: each GET in flight holds an HTTP connection and a
-# request of the chunk engine (about 130 KiB), or a worker thread on a
-# directory store; 1024 leaves room for a store far away while a typo
-# (50000000) cannot exhaust memory at start-up.
-MAX_CONCURRENCY = 1024
-# Smallest non-zero `cache_size`: the disk cache keeps its bound by evicting
-# whole segments, 16 of them, of at least 1 MiB each (cache.py), so a bound
-# below 16 MiB could not be kept.
-MIN_CACHE_SIZE = 16 << 20
+log = logging.getLogger(__name__)
 
 # At unmount, chunks already downloaded are still written to the disk cache
 # for at most this long: a GET paid for is not thrown away (a scan that ends
@@ -195,314 +74,6 @@ ROOT_LOG_DIR = "/var/log/verneuil"
 # Another directory for those default log files (a service's own log
 # directory; the tests' temporary one).
 LOG_DIR_ENV = "VERNEUIL_LOG_DIR"
-# metrics_port listens on loopback unless told otherwise: the series name
-# the databases of the host.
-DEFAULT_METRICS_ADDRESS = "127.0.0.1"
-# Largest uid= or gid=: the kernel's ids are 32 bits, and (uid_t)-1 means
-# "no change" to the system calls that take one.
-MAX_ID = (1 << 32) - 2
-
-
-@dataclass
-class Options:
-    source: str
-    mountpoint: str
-    foreground: bool = False
-    fuse: list[str] = field(default_factory=list)
-    cache_dir: str | None = None
-    cache_size: int = 2 << 30
-    mem_cache: int = 64 << 20
-    refresh: float = 10.0
-    follow: bool = True
-    follow_interval: float | None = None  # None: reader.watch.DEFAULT_INTERVAL (imported only to mount)
-    readahead: bool = True
-    readahead_max: int = PrefetchConfig.readahead_max
-    cache_readahead_max: int = 0
-    btree_prefetch: bool = True
-    btree_max: int = 32
-    concurrency: int | None = None  # the fetcher's default for the store
-    prefetch_concurrency: int | None = None
-    retries: int = 4
-    timeout: float = DEFAULT_ATTEMPT_TIMEOUT
-    deadline: float = DEFAULT_DEADLINE
-    max_db_size: int = DEFAULT_MAX_DB_SIZE
-    hydrate: bool = False
-    entry_timeout: float = 1.0
-    read_ahead_kb: int | None = None
-    log_file: str | None = None
-    log_level: str = "info"
-    profile: str | None = None
-    credentials_file: str | None = None
-    start_retry: float = 0.0
-    metrics_port: int | None = None
-    metrics_address: str = DEFAULT_METRICS_ADDRESS
-    uid: int | None = None
-    gid: int | None = None
-    umask: int = 0
-    subdir: str = ""
-
-
-_SIZE = re.compile(r"\A(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\Z", re.I)
-
-
-def parse_size(text: str) -> int:
-    m = _SIZE.match(text.strip())
-    if not m:
-        raise ValueError("not a size: %r" % text)
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    value = float(m.group(1)) * scale
-    if not math.isfinite(value) or value >= 1 << 62:
-        raise ValueError("too large: %r" % text)
-    return int(value)
-
-
-def _bool(text: str) -> bool:
-    t = text.lower()
-    if t in ("1", "on", "yes", "true", ""):
-        return True
-    if t in ("0", "off", "no", "false"):
-        return False
-    raise ValueError("not on/off: %r" % text)
-
-
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise ValueError("must be at least 1")
-    return v
-
-
-def _concurrency(text: str) -> int:
-    v = _positive_int(text)
-    if v > MAX_CONCURRENCY:
-        raise ValueError("at most %d" % MAX_CONCURRENCY)
-    return v
-
-
-def _cache_size(text: str) -> int:
-    v = parse_size(text)
-    if 0 < v < MIN_CACHE_SIZE:
-        raise ValueError("0 (no disk cache) or at least %dM" % (MIN_CACHE_SIZE >> 20))
-    return v
-
-
-def _db_size(text: str) -> int:
-    v = parse_size(text)
-    if v < CHUNK_SIZE:
-        raise ValueError("at least 64K")
-    return v
-
-
-def _path(text: str) -> str:
-    if not text:
-        raise ValueError("an empty path")
-    return text
-
-
-def _nonneg_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise ValueError("must not be negative")
-    return v
-
-
-def _seconds(text: str) -> float:
-    v = float(text)
-    if not 0 < v < math.inf:
-        raise ValueError("must be a positive number of seconds")
-    return v
-
-
-def _nonneg_seconds(text: str) -> float:
-    v = float(text)
-    if not 0 <= v < math.inf:
-        raise ValueError("must be a number of seconds, 0 or more")
-    return v
-
-
-def _profile(text: str) -> str:
-    if not text or any(c.isspace() or c in "[]" for c in text):
-        raise ValueError("not a profile name: %r" % text)
-    return text
-
-
-def _port(text: str) -> int:
-    v = int(text)
-    if not 0 <= v <= 65535:
-        raise ValueError("a TCP port, 0 to 65535")
-    return v
-
-
-def _address(text: str) -> str:
-    if not text or any(c.isspace() for c in text):
-        raise ValueError("not an address: %r" % text)
-    return text
-
-
-def _named_id(text: str, lookup, what: str) -> int:
-    """A user or group id: a number, or a name `lookup` finds on this host."""
-    if re.fullmatch(r"[0-9]+", text):
-        if int(text) > MAX_ID:
-            raise ValueError("at most %d" % MAX_ID)
-        return int(text)
-    try:
-        return lookup(text)
-    except KeyError:
-        raise ValueError("no %s %r on this host" % (what, text)) from None
-
-
-def _uid(text: str) -> int:
-    import pwd
-
-    return _named_id(text, lambda name: pwd.getpwnam(name).pw_uid, "user")
-
-
-def _gid(text: str) -> int:
-    import grp
-
-    return _named_id(text, lambda name: grp.getgrnam(name).gr_gid, "group")
-
-
-def _umask(text: str) -> int:
-    try:
-        v = int(text, 8)
-    except ValueError:
-        raise ValueError("an octal mode such as 022 or 0077") from None
-    if not 0 <= v <= 0o777:
-        raise ValueError("an octal mode from 0 to 0777")
-    return v
-
-
-def _subdir(text: str) -> str:
-    parts = [p for p in text.split("/") if p]
-    if not text.startswith("/") or not parts or any(p in (".", "..") for p in parts):
-        raise ValueError("a directory of the tree, /HOST or /HOST/PATH, such as /web1/srv/data")
-    return "/" + "/".join(parts)
-
-
-def _fuse_value(text: str) -> str:
-    """A value libfuse can take in one option: printable ASCII without the
-    comma it splits on or the backslash it unescapes (pyfuse3 encodes options
-    as ASCII); anything else becomes "_"."""
-    return re.sub(r"[^\x21-\x7e]|[,\\]", "_", text)[:200]
-
-
-_OWN = {
-    "cache_dir": _path,
-    "cache_size": _cache_size,
-    "mem_cache": parse_size,
-    "refresh": _seconds,
-    "follow": _bool,
-    "follow_interval": _nonneg_seconds,
-    "readahead": _bool,
-    "readahead_max": _nonneg_int,
-    "cache_readahead_max": _nonneg_int,
-    "btree_prefetch": _bool,
-    "btree_max": _nonneg_int,
-    "concurrency": _concurrency,
-    "prefetch_concurrency": _concurrency,
-    "retries": _nonneg_int,
-    "timeout": _seconds,
-    "deadline": _seconds,
-    "max_db_size": _db_size,
-    "hydrate": _bool,
-    "entry_timeout": _nonneg_seconds,
-    "read_ahead_kb": _nonneg_int,
-    "log_file": _path,
-    "log_level": lambda t: _check_level(t),
-    "profile": _profile,
-    "credentials_file": _path,
-    "start_retry": _nonneg_seconds,
-    "metrics_port": _port,
-    "metrics_address": _address,
-    "uid": _uid,
-    "gid": _gid,
-    "umask": _umask,
-    "subdir": _subdir,
-}
-
-# Options that only mean something for an S3 store.
-S3_ONLY_OPTIONS = ("profile", "credentials_file")
-
-
-def _check_level(text: str) -> str:
-    if text.lower() not in ("debug", "info", "warning", "error"):
-        raise ValueError("one of debug, info, warning, error")
-    return text.lower()
-
-
-def parse_args(argv: list[str] | None) -> Options:
-    parser = argparse.ArgumentParser(
-        prog="verneuil",
-        description="Mount the SQLite replicas of a Verneuil store (read-only, FUSE). "
-        "Files appear at /<hostname>/<path of the source database>; "
-        "statistics at /.verneuil/stats.",
-        epilog=OWN_OPTIONS_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("source", help="store: file:///dir, /dir, s3://bucket?..., @config.json or JSON")
-    parser.add_argument("mountpoint", help="an existing directory")
-    parser.add_argument("-o", dest="options", action="append", default=[], metavar="OPTIONS",
-                        help="comma-separated mount options (below)")
-    parser.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
-    parser.add_argument("--version", action="version", version="verneuil " + __version__)
-
-    def error(message: str) -> None:
-        raise UserError(message, EXIT_USAGE)
-
-    parser.error = error  # type: ignore[method-assign]
-    ns = parser.parse_args(argv)
-    opts = Options(source=ns.source, mountpoint=ns.mountpoint, foreground=ns.foreground)
-    fuse = {"ro", "default_permissions"}
-    for group in ns.options:
-        for item in _split_options(group):
-            if not item:
-                continue
-            name, eq, value = item.partition("=")
-            if name in LIBFUSE_FLAGS and not eq:
-                fuse.add(name)
-            elif name in LIBFUSE_VALUES and eq:
-                if not value:
-                    raise UserError("option %s needs a value (%s=...)" % (name, name), EXIT_USAGE)
-                fuse.add("%s=%s" % (name, _fuse_value(value)))
-            elif name in _OWN:
-                if not eq and name != "hydrate":
-                    raise UserError("option %s needs a value (%s=...)" % (name, name), EXIT_USAGE)
-                try:
-                    setattr(opts, name, _OWN[name](value))
-                except ValueError as e:
-                    raise UserError("bad value for option %s: %s" % (name, e), EXIT_USAGE) from None
-            elif name in IGNORED_FLAGS or name.startswith("x-") or name == "comment":
-                continue
-            else:
-                raise UserError("unknown mount option: %s (see verneuil --help)" % item, EXIT_USAGE)
-    if opts.hydrate and opts.cache_size == 0:
-        raise UserError("option hydrate needs a disk cache (cache_size=0 turns it off)", EXIT_USAGE)
-    if not any(o.startswith("fsname=") for o in fuse):
-        fuse.add("fsname=" + _fuse_value(opts.source))
-    if not any(o.startswith("subtype=") for o in fuse):
-        fuse.add("subtype=verneuil")
-    opts.fuse = sorted(fuse)
-    return opts
-
-
-def _split_options(text: str) -> list[str]:
-    """Split on commas not escaped by a backslash (libfuse's convention)."""
-    out, cur, i = [], [], 0
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\" and i + 1 < len(text):
-            cur.append(text[i + 1])
-            i += 2
-            continue
-        if ch == ",":
-            out.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-        i += 1
-    out.append("".join(cur))
-    return out
 
 
 # ---------------------------------------------------------------- logging
@@ -582,7 +153,7 @@ def check_source(opts: Options):
     try:
         target = store_target(parse_config(opts.source))
         if target.get("kind") == "directory":
-            given = [name for name in S3_ONLY_OPTIONS if getattr(opts, name)]
+            given = [name for name, value in zip(S3_ONLY_OPTIONS, (opts.profile, opts.credentials_file)) if value]
             if given:
                 raise UserError("option%s %s appl%s to S3 stores only, not to the directory store %s"
                                 % ("s" if len(given) > 1 else "", " and ".join(given),
@@ -635,10 +206,8 @@ def check_paths(opts: Options) -> None:
         raise UserError("%s is already a mount point (umount it first)" % opts.mountpoint, EXIT_MOUNT)
     if opts.source.startswith("@") and not opts.source.startswith("@/"):
         opts.source = "@" + os.path.abspath(opts.source[1:])
-    for name in ("cache_dir", "log_file", "credentials_file"):
-        value = getattr(opts, name)
-        if value:
-            setattr(opts, name, os.path.abspath(value))
+    opts.cache_dir, opts.log_file, opts.credentials_file = (
+        os.path.abspath(path) if path else path for path in (opts.cache_dir, opts.log_file, opts.credentials_file))
     if opts.log_file:
         try:
             with open(opts.log_file, "a"):
@@ -772,7 +341,6 @@ def _prefetch_config(opts: Options) -> PrefetchConfig:
         readahead=opts.readahead and opts.readahead_max > 0,
         btree=opts.btree_prefetch and opts.btree_max > 0,
         readahead_max=max(1, opts.readahead_max),
-        cache_readahead_max=opts.cache_readahead_max,
         btree_max=max(1, opts.btree_max),
     )
 
@@ -783,7 +351,7 @@ def _build_layers(opts: Options, store) -> _Layers:
     from verneuil_fuse.reader.catalog import Catalog
     from verneuil_fuse.reader.fetcher import Fetcher
     from verneuil_fuse.reader.follow import Followers
-    from verneuil_fuse.reader.watch import DEFAULT_INTERVAL as DEFAULT_FOLLOW_INTERVAL, Watch
+    from verneuil_fuse.reader.watch import Watch
 
     cache = _open_disk_cache(opts)
     fetcher = Fetcher(
@@ -803,8 +371,7 @@ def _build_layers(opts: Options, store) -> _Layers:
     followers = Followers(catalog) if opts.follow else None
     ops = VerneuilFS(catalog, entry_timeout=opts.entry_timeout, uid=opts.uid, gid=opts.gid, umask=opts.umask,
                      followers=followers)
-    interval = DEFAULT_FOLLOW_INTERVAL if opts.follow_interval is None else opts.follow_interval
-    layers = _Layers(store, cache, fetcher, catalog, ops, Watch(catalog, interval))
+    layers = _Layers(store, cache, fetcher, catalog, ops, Watch(catalog, opts.follow_interval))
     return layers
 
 
