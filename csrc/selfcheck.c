@@ -11,13 +11,26 @@
  *   int verneuil_selfcheck(sqlite3_file *db, const char *spool_root,
  *       const char *db_path, char *msg, size_t cap);
  *
+ *   int verneuil_selfcheck_wal(sqlite3_file *db, const volatile void *shm0,
+ *       const char *spool_root, const char *db_path, char *msg, size_t cap);
+ *
  * `db` is the open main database file (any VFS layer that reaches it: reads
  * go through db->pMethods->xRead, never through a second file descriptor,
  * whose close(2) would drop the process's POSIX locks on the file);
  * `spool_root` is the replication_spooling_dir the VFS was registered with;
- * `db_path` is the database's path.  The caller holds at least a SHARED lock
- * on the database, taken after the write transaction's snapshot was staged
- * (for the `verneuil` VFS: after xUnlock(SHARED) returned).
+ * `db_path` is the database's path, as SQLite opened it.  The caller holds
+ * at least a SHARED lock on the database, taken after the write
+ * transaction's snapshot was staged (for the `verneuil` VFS: after
+ * xUnlock(SHARED) returned).
+ *
+ * A database whose header says WAL is compared as SQLite reads it: the file
+ * with, for each page, its latest committed frame in `db_path`-wal, and bytes
+ * 18 and 19 of the header set to 1 (docs/WRITER.md, "WAL databases").  The
+ * WAL is read here, apart from csrc/wal.c, the way SQLite's recovery reads
+ * it: up to its last valid commit frame (verneuil_selfcheck; the caller
+ * holds an exclusive lock on the database, or knows that no WAL writer
+ * runs), or up to the frame the wal-index header in shared-memory region
+ * `shm0` names (verneuil_selfcheck_wal; the caller holds the WAL write lock).
  *
  * What is checked (docs/FORMAT.md, docs/SPOOL.md), against staging/meta/<name>:
  *   - the manifest decodes, `len` is the file's size and `chunks` has one
@@ -60,7 +73,10 @@
 enum {
 	VERNEUIL_SELFCHECK_OK = 0,        /* staged snapshot == database */
 	VERNEUIL_SELFCHECK_EMPTY = 1,     /* empty file: nothing is staged */
-	VERNEUIL_SELFCHECK_WAL = 2,       /* WAL database: not replicated */
+	VERNEUIL_SELFCHECK_UNREADABLE = 2, /* WAL: no committed state to read
+					    * (the wal-index header is not
+					    * valid, or the WAL does not hold
+					    * the frames it names) */
 	VERNEUIL_SELFCHECK_HOT = 3,       /* hot journal: no snapshot taken */
 	VERNEUIL_SELFCHECK_MISMATCH = 4,  /* the staged snapshot is wrong */
 	VERNEUIL_SELFCHECK_ERROR = 5,     /* could not check (I/O error...) */
@@ -68,6 +84,8 @@ enum {
 
 int verneuil_selfcheck(sqlite3_file *db, const char *spool_root,
     const char *db_path, char *msg, size_t cap);
+int verneuil_selfcheck_wal(sqlite3_file *db, const volatile void *shm0,
+    const char *spool_root, const char *db_path, char *msg, size_t cap);
 
 static struct vn_keys sc_keys;
 static pthread_once_t sc_keys_once = PTHREAD_ONCE_INIT;
@@ -183,11 +201,211 @@ static int fp_eq(const struct vn_umash_fp *a, uint64_t major, uint64_t minor)
 	return a->hash[0] == major && a->hash[1] == minor;
 }
 
+/* ---- the committed state of a WAL database -------------------------------- */
+
+/* SQLite's WAL (src/wal.c): a 32-byte header, frames of a 24-byte header and
+ * a page; the wal-index header (48 bytes, twice) in shared memory. */
+#define SC_WAL_HEADER 32
+#define SC_FRAME_HEADER 24
+#define SC_WALINDEX_HEADER 48
+/* Most pages of a checked database: the test suite's are small; a page's
+ * frame offsets take 8 bytes each. */
+#define SC_MAX_PAGES (1u << 24)
+
+struct sc_wal {
+	int fd;              /* <db>-wal, -1: none */
+	uint32_t pgsz;
+	int big_endian;      /* checksum words */
+	uint8_t salt[8];
+	uint32_t ck[2];      /* the chain so far */
+	uint32_t mx, npage;  /* the last commit and its size in pages */
+	uint64_t *at;        /* at[pgno - 1]: WAL offset of the page's latest
+			      * committed frame's data; 0: none */
+	uint32_t n_at;
+	uint8_t *frame;
+};
+
+static uint32_t be32(const uint8_t *p)
+{
+	return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 |
+	    (uint32_t)p[2] << 8 | p[3];
+}
+
+static void sc_cksum(int big_endian, const uint8_t *a, size_t n,
+    uint32_t s[2])
+{
+	for (size_t i = 0; i + 8 <= n; i += 8) {
+		uint32_t x0, x1;
+
+		if (big_endian) {
+			x0 = be32(a + i);
+			x1 = be32(a + i + 4);
+		} else {
+			memcpy(&x0, a + i, 4);
+			memcpy(&x1, a + i + 4, 4);
+		}
+		s[0] += x0 + s[1];
+		s[1] += x1 + s[0];
+	}
+}
+
+/* Reads the WAL header: 1 if there is a valid one, 0 if not, -1 on I/O
+ * errors other than a short file. */
+static int sc_wal_header(struct sc_wal *w)
+{
+	uint8_t h[SC_WAL_HEADER];
+	uint32_t magic, s[2] = { 0, 0 };
+
+	if (w->fd < 0 || pread(w->fd, h, sizeof(h), 0) != (ssize_t)sizeof(h))
+		return 0;
+	magic = be32(h);
+	w->pgsz = be32(h + 8);
+	w->big_endian = (int)(magic & 1);
+	sc_cksum(w->big_endian, h, 24, s);
+	if ((magic & ~1u) != 0x377f0682u || be32(h + 4) != 3007000 ||
+	    w->pgsz < 512 || w->pgsz > 65536 || (w->pgsz & (w->pgsz - 1)) ||
+	    s[0] != be32(h + 24) || s[1] != be32(h + 28))
+		return 0;
+	memcpy(w->salt, h + 16, 8);
+	w->ck[0] = s[0];
+	w->ck[1] = s[1];
+	w->frame = malloc(w->pgsz + SC_FRAME_HEADER);
+	return w->frame != NULL ? 1 : -1;
+}
+
+/* Frame f: 1 valid (the chain moves on; *pgno, *commit), 0 not. */
+static int sc_frame(struct sc_wal *w, uint32_t f, uint32_t *pgno,
+    uint32_t *commit)
+{
+	size_t n = w->pgsz + SC_FRAME_HEADER;
+	off_t off = SC_WAL_HEADER + (off_t)(f - 1) * (off_t)n;
+	uint32_t s[2] = { w->ck[0], w->ck[1] };
+
+	if (pread(w->fd, w->frame, n, off) != (ssize_t)n)
+		return 0;
+	*pgno = be32(w->frame);
+	*commit = be32(w->frame + 4);
+	if (*pgno == 0 || *pgno > SC_MAX_PAGES ||
+	    memcmp(w->frame + 8, w->salt, 8) != 0)
+		return 0;
+	sc_cksum(w->big_endian, w->frame, 8, s);
+	sc_cksum(w->big_endian, w->frame + SC_FRAME_HEADER, w->pgsz, s);
+	if (s[0] != be32(w->frame + 16) || s[1] != be32(w->frame + 20))
+		return 0;
+	w->ck[0] = s[0];
+	w->ck[1] = s[1];
+	return 1;
+}
+
+static int sc_note(struct sc_wal *w, uint32_t pgno, uint32_t f)
+{
+	if (pgno > w->n_at) {
+		uint32_t n = pgno < 1024 ? 1024 : 2 * pgno;
+		uint64_t *at = realloc(w->at, (size_t)n * sizeof(*at));
+
+		if (at == NULL)
+			return -1;
+		memset(at + w->n_at, 0, (size_t)(n - w->n_at) * sizeof(*at));
+		w->at = at;
+		w->n_at = n;
+	}
+	w->at[pgno - 1] = SC_WAL_HEADER + (uint64_t)(f - 1) *
+	    (w->pgsz + SC_FRAME_HEADER) + SC_FRAME_HEADER;
+	return 0;
+}
+
+/*
+ * The committed frames: every valid frame up to `upto` (which must all be
+ * valid, the last a commit), or (upto == 0) up to the last commit frame
+ * before the first invalid one.  0, or -1 if the WAL is not as the
+ * wal-index says.
+ */
+static int sc_wal_frames(struct sc_wal *w, uint32_t upto)
+{
+	uint32_t pending_from = 1, pgno, commit;
+	uint32_t *pages = NULL;
+	size_t cap = 0;
+	int rc = 0;
+
+	for (uint32_t f = 1; upto == 0 || f <= upto; f++) {
+		if (!sc_frame(w, f, &pgno, &commit)) {
+			rc = upto == 0 ? 0 : -1;
+			break;
+		}
+		if (f - pending_from >= cap) {
+			uint32_t *more = realloc(pages, (cap = 2 * cap + 64) *
+			    sizeof(*pages));
+
+			if (more == NULL) {
+				rc = -1;
+				break;
+			}
+			pages = more;
+		}
+		pages[f - pending_from] = pgno;
+		if (commit == 0)
+			continue;
+		for (uint32_t g = pending_from; g <= f && rc == 0; g++)
+			rc = sc_note(w, pages[g - pending_from], g);
+		w->mx = f;
+		w->npage = commit;
+		pending_from = f + 1;
+	}
+	if (rc == 0 && upto != 0 && w->mx != upto)
+		rc = -1;
+	free(pages);
+	return rc;
+}
+
+/* The wal-index header of shared-memory region 0: 0 and its last committed
+ * frame and size, or -1 if it is not a valid one. */
+static int sc_walindex(const volatile void *shm0, uint8_t salt[8],
+    uint32_t *mx, uint32_t *npage, uint32_t *pgsz)
+{
+	uint16_t szpage;
+
+	uint8_t h[2 * SC_WALINDEX_HEADER];
+	uint32_t w[12], s[2] = { 0, 0 };
+
+	if (shm0 == NULL)
+		return -1;
+	memcpy(h, (const void *)shm0, sizeof(h));
+	memcpy(w, h, sizeof(w));
+	if (memcmp(h, h + SC_WALINDEX_HEADER, SC_WALINDEX_HEADER) != 0 ||
+	    h[12] == 0 || w[0] != 3007000)
+		return -1;
+	for (int i = 0; i < 10; i += 2) {
+		s[0] += w[i] + s[1];
+		s[1] += w[i + 1] + s[0];
+	}
+	if (s[0] != w[10] || s[1] != w[11])
+		return -1;
+	*mx = w[4];
+	*npage = w[5];
+	memcpy(&szpage, h + 14, 2);
+	*pgsz = szpage == 1 ? 65536 : szpage;
+	memcpy(salt, h + 32, 8);
+	return 0;
+}
+
+static void sc_wal_free(struct sc_wal *w)
+{
+	if (w->fd >= 0)
+		close(w->fd);
+	free(w->at);
+	free(w->frame);
+	memset(w, 0, sizeof(*w));
+	w->fd = -1;
+}
+
 /* One self-check as it goes through the checks below. */
 struct check {
 	sqlite3_file *db;
 	char *msg;
 	size_t cap;
+	int is_wal;                  /* the committed state is file + WAL */
+	const volatile void *shm0;   /* the wal-index, if the caller has it */
+	struct sc_wal wal;
 	sqlite3_int64 size;
 	uint64_t n_chunks;
 	uint8_t hdr[VN_HEADER_BYTES];
@@ -205,8 +423,88 @@ struct check {
 	size_t bundled_seen;         /* extra bundled chunks matched so far */
 };
 
-/* The file itself: its size, its header, not WAL, no hot journal.
- * VERNEUIL_SELFCHECK_OK to go on; otherwise the result. */
+/* Bytes [off, off + len) of the committed state: the file's (past its end,
+ * zeros, for a WAL database), each page with a committed frame replaced by
+ * its latest one, the header's format versions 2 read as 1. */
+static int read_state(struct check *c, uint8_t *buf, size_t len,
+    sqlite3_int64 off)
+{
+	struct sc_wal *w = &c->wal;
+	int rc = c->db->pMethods->xRead(c->db, buf, (int)len, off);
+
+	if (rc != SQLITE_OK && !(c->is_wal && rc == SQLITE_IOERR_SHORT_READ)) {
+		say(c->msg, c->cap, "reading %zu bytes at %lld: SQLite error %d",
+		    len, (long long)off, rc);
+		return -1;
+	}
+	for (uint64_t p = (uint64_t)off / (w->pgsz ? w->pgsz : 1);
+	    c->is_wal && w->n_at > 0 && p * w->pgsz < (uint64_t)off + len &&
+	    p < w->n_at; p++) {
+		uint64_t page = p * w->pgsz;
+		uint64_t from = page > (uint64_t)off ? page : (uint64_t)off;
+		uint64_t to = page + w->pgsz < (uint64_t)off + len ?
+		    page + w->pgsz : (uint64_t)off + len;
+
+		if (w->at[p] == 0)
+			continue;
+		if (pread(w->fd, w->frame, w->pgsz, (off_t)w->at[p]) !=
+		    (ssize_t)w->pgsz) {
+			say(c->msg, c->cap, "reading page %llu from the WAL: %s",
+			    (unsigned long long)p + 1, strerror(errno));
+			return -1;
+		}
+		memcpy(buf + (from - (uint64_t)off), w->frame + (from - page),
+		    (size_t)(to - from));
+	}
+	for (sqlite3_int64 i = 18; c->is_wal && i <= 19; i++)
+		if (i >= off && i < off + (sqlite3_int64)len && buf[i - off] == 2)
+			buf[i - off] = 1;
+	return 0;
+}
+
+/* The WAL's committed frames and the committed state's size: up to the
+ * frame the wal-index header names (c->shm0), or SQLite's recovery's. */
+static int load_wal(struct check *c, const char *db_path)
+{
+	char path[PATH_MAX + 8];
+	uint8_t salt[8];
+	uint32_t mx = 0, npage = 0, pgsz = 0;
+	int hdr;
+
+	snprintf(path, sizeof(path), "%s-wal", db_path);
+	c->wal.fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (c->shm0 != NULL &&
+	    sc_walindex(c->shm0, salt, &mx, &npage, &pgsz) != 0) {
+		say(c->msg, c->cap, "the wal-index header is not valid");
+		return VERNEUIL_SELFCHECK_UNREADABLE;
+	}
+	hdr = sc_wal_header(&c->wal);
+	if (hdr < 0 || (mx > 0 && (hdr == 0 ||
+	    memcmp(salt, c->wal.salt, 8) != 0))) {
+		say(c->msg, c->cap, "%s holds no header of the WAL's "
+		    "generation the wal-index names", path);
+		return hdr < 0 ? VERNEUIL_SELFCHECK_ERROR :
+		    VERNEUIL_SELFCHECK_UNREADABLE;
+	}
+	if (hdr > 0 && (c->shm0 == NULL || mx > 0) &&
+	    (sc_wal_frames(&c->wal, mx) != 0 ||
+	    (c->shm0 != NULL && c->wal.npage != npage))) {
+		say(c->msg, c->cap, "%s does not hold the %u committed frames "
+		    "the wal-index names", path, mx);
+		return VERNEUIL_SELFCHECK_UNREADABLE;
+	}
+	if (c->shm0 != NULL && mx == 0) {
+		c->wal.npage = npage; /* kept across a WAL reset */
+		c->wal.pgsz = pgsz;
+	}
+	if (c->wal.npage != 0)
+		c->size = (sqlite3_int64)c->wal.npage * c->wal.pgsz;
+	return VERNEUIL_SELFCHECK_OK;
+}
+
+/* The file itself: its size (the committed state's, for a WAL database),
+ * its header, no hot journal.  VERNEUIL_SELFCHECK_OK to go on; otherwise
+ * the result. */
 static int check_file(struct check *c, const char *db_path)
 {
 	sqlite3_file *db = c->db;
@@ -217,21 +515,26 @@ static int check_file(struct check *c, const char *db_path)
 		say(c->msg, c->cap, "xFileSize: SQLite error %d", rc);
 		return VERNEUIL_SELFCHECK_ERROR;
 	}
-	if (c->size == 0)
-		return VERNEUIL_SELFCHECK_EMPTY;
 	c->hn = c->size < VN_HEADER_BYTES ? (size_t)c->size : VN_HEADER_BYTES;
-	rc = db->pMethods->xRead(db, c->hdr, (int)c->hn, 0);
-	if (rc != SQLITE_OK) {
+	if (c->hn > 0 && (rc = db->pMethods->xRead(db, c->hdr, (int)c->hn,
+	    0)) != SQLITE_OK) {
 		say(c->msg, c->cap, "reading the header: SQLite error %d", rc);
 		return VERNEUIL_SELFCHECK_ERROR;
 	}
-	if (c->hn >= 20 && (c->hdr[18] == 2 || c->hdr[19] == 2))
-		return VERNEUIL_SELFCHECK_WAL;
+	c->is_wal = c->shm0 != NULL ||
+	    (c->hn >= 20 && (c->hdr[18] == 2 || c->hdr[19] == 2));
+	if (c->is_wal && (rc = load_wal(c, db_path)) != VERNEUIL_SELFCHECK_OK)
+		return rc;
+	if (c->size == 0)
+		return VERNEUIL_SELFCHECK_EMPTY;
+	c->hn = c->size < VN_HEADER_BYTES ? (size_t)c->size : VN_HEADER_BYTES;
+	if (read_state(c, c->hdr, c->hn, 0) != 0)
+		return VERNEUIL_SELFCHECK_ERROR;
 	if (realpath(db_path, c->canon) == NULL) {
 		say(c->msg, c->cap, "realpath(%s): %s", db_path, strerror(errno));
 		return VERNEUIL_SELFCHECK_ERROR;
 	}
-	if (vn_journal_is_hot(c->canon))
+	if (!c->is_wal && vn_journal_is_hot(c->canon))
 		return VERNEUIL_SELFCHECK_HOT;
 	c->n_chunks = ((uint64_t)c->size + VN_CHUNK_SIZE - 1) / VN_CHUNK_SIZE;
 	return VERNEUIL_SELFCHECK_OK;
@@ -406,7 +709,7 @@ static int check_chunk_file(struct check *c, uint64_t i, size_t len)
 static int check_chunks(struct check *c)
 {
 	int result = VERNEUIL_SELFCHECK_OK;
-	int fd, rc;
+	int fd;
 
 	c->file_chunk = malloc(2 * VN_CHUNK_SIZE);
 	if (c->file_chunk == NULL) {
@@ -425,12 +728,8 @@ static int check_chunks(struct check *c)
 		size_t len = c->size - off < VN_CHUNK_SIZE ?
 		    (size_t)(c->size - off) : VN_CHUNK_SIZE;
 
-		rc = c->db->pMethods->xRead(c->db, c->file_chunk, (int)len, off);
-		if (rc != SQLITE_OK) {
-			say(c->msg, c->cap, "reading chunk %llu: SQLite error %d",
-			    (unsigned long long)i, rc);
+		if (read_state(c, c->file_chunk, len, off) != 0)
 			return VERNEUIL_SELFCHECK_ERROR;
-		}
 		result = check_chunk_fprint(c, i, len);
 		if (result == VERNEUIL_SELFCHECK_OK && i == 0)
 			result = check_bundled0(c, len);
@@ -449,6 +748,7 @@ static int check_chunks(struct check *c)
 
 static void check_release(struct check *c)
 {
+	sc_wal_free(&c->wal);
 	close_dirs(&c->dirs);
 	free(c->file_chunk);
 	if (c->have_m)
@@ -465,7 +765,14 @@ static void check_release(struct check *c)
 int verneuil_selfcheck(sqlite3_file *db, const char *spool_root,
     const char *db_path, char *msg, size_t cap)
 {
-	struct check c = { .db = db, .msg = msg, .cap = cap, .db_fd = -1 };
+	return verneuil_selfcheck_wal(db, NULL, spool_root, db_path, msg, cap);
+}
+
+int verneuil_selfcheck_wal(sqlite3_file *db, const volatile void *shm0,
+    const char *spool_root, const char *db_path, char *msg, size_t cap)
+{
+	struct check c = { .db = db, .msg = msg, .cap = cap, .db_fd = -1,
+	    .shm0 = shm0, .wal = { .fd = -1 } };
 	int result;
 
 	if (msg != NULL && cap > 0)

@@ -418,6 +418,7 @@ static void remove_tree_at(int dirfd, const char *name, int depth)
 static void session_reset(struct vn_spool_session *s)
 {
 	s->db_fd = s->chunks_fd = s->meta_fd = s->scratch_fd = -1;
+	s->walrec_fd = -1;
 	s->what = NULL;
 	s->link_mode = VN_LINK_UNKNOWN;
 }
@@ -446,7 +447,8 @@ int vn_spool_session_valid(const struct vn_spool_session *s)
 
 void vn_spool_close(struct vn_spool_session *s)
 {
-	int *fds[] = { &s->db_fd, &s->chunks_fd, &s->meta_fd, &s->scratch_fd };
+	int *fds[] = { &s->db_fd, &s->chunks_fd, &s->meta_fd, &s->scratch_fd,
+	    &s->walrec_fd };
 
 	for (size_t i = 0; i < sizeof(fds) / sizeof(fds[0]); i++) {
 		if (*fds[i] >= 0)
@@ -516,6 +518,68 @@ fail:
 	if (staging_fd >= 0)
 		close(staging_fd);
 	vn_spool_close(s);
+	return rc;
+}
+
+/* ---- the WAL record ------------------------------------------------------ */
+
+/* Writers of several users may share a database's spool (VN_DIR_MODE): the
+ * record is theirs to rewrite, less the umask. */
+#define VN_WALREC_MODE 0666
+
+static int open_walrec(struct vn_spool_session *s)
+{
+	if (s->walrec_fd >= 0)
+		return 0;
+	s->walrec_fd = openat(s->db_fd, "staging/wal-position",
+	    O_RDWR | O_CREAT | O_CLOEXEC, VN_WALREC_MODE);
+	if (s->walrec_fd < 0) {
+		s->what = "open staging/wal-position";
+		return errno;
+	}
+	return 0;
+}
+
+/* One pread (buf != NULL) or pwrite (out != NULL) of the record at offset
+ * 0: 0 and the bytes moved in *moved, or an errno value. */
+static int walrec_io(struct vn_spool_session *s, uint8_t *buf,
+    const uint8_t *out, size_t len, size_t *moved)
+{
+	ssize_t n;
+	int rc = open_walrec(s);
+
+	*moved = 0;
+	if (rc != 0)
+		return rc;
+	do
+		n = buf != NULL ? pread(s->walrec_fd, buf, len, 0) :
+		    pwrite(s->walrec_fd, out, len, 0);
+	while (n < 0 && errno == EINTR);
+	if (n < 0) {
+		s->what = buf != NULL ? "read staging/wal-position" :
+		    "write staging/wal-position";
+		return errno;
+	}
+	*moved = (size_t)n;
+	return 0;
+}
+
+int vn_spool_read_walrec(struct vn_spool_session *s, uint8_t *buf, size_t cap,
+    size_t *len)
+{
+	return walrec_io(s, buf, NULL, cap, len);
+}
+
+int vn_spool_write_walrec(struct vn_spool_session *s, const uint8_t *buf,
+    size_t len)
+{
+	size_t written;
+	int rc = walrec_io(s, NULL, buf, len, &written);
+
+	if (rc == 0 && written != len) {
+		s->what = "write staging/wal-position";
+		rc = EIO;
+	}
 	return rc;
 }
 

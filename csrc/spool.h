@@ -87,6 +87,7 @@ struct vn_spool_session {
 	int chunks_fd;  /* staging/chunks */
 	int meta_fd;    /* staging/meta */
 	int scratch_fd; /* staging/scratch */
+	int walrec_fd;  /* staging/wal-position, opened when first used */
 	enum vn_link_mode link_mode;
 	const char *what; /* the operation that failed, for the log */
 };
@@ -142,6 +143,19 @@ int vn_spool_publish_manifest(struct vn_spool_session *s,
 int vn_spool_publish_ready(struct vn_spool_session *s,
     const struct vn_spool *spool, const struct iovec *manifest, int cnt,
     const uint64_t *words, size_t n_chunks, int *published);
+
+/*
+ * staging/wal-position: a WAL database's record of what its staged manifest
+ * stands for (walrec.h), private to writers (copiers never read it).  It is
+ * one small fixed-size record, rewritten in place with one pwrite (a torn
+ * one fails its hash), by writers holding SQLite's WAL write lock or an
+ * exclusive lock on the database, so never two at once.  Read: 0 and the
+ * bytes (*len 0: none yet), or an errno value.
+ */
+int vn_spool_read_walrec(struct vn_spool_session *s, uint8_t *buf, size_t cap,
+    size_t *len);
+int vn_spool_write_walrec(struct vn_spool_session *s, const uint8_t *buf,
+    size_t len);
 
 /*
  * Deletes staged chunks that `words` (n_chunks fingerprints) does not name,

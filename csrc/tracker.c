@@ -123,7 +123,7 @@ static size_t make_version_id(uint8_t *out, const uint8_t *xattr,
 /* ---- lifecycle ---------------------------------------------------------- */
 
 int vn_tracker_init(struct vn_tracker *t, const struct vn_keys *keys,
-    const char *canon_path, const char *spool_root)
+    const char *canon_path, const char *db_name, const char *spool_root)
 {
 	int rc;
 
@@ -132,6 +132,7 @@ int vn_tracker_init(struct vn_tracker *t, const struct vn_keys *keys,
 	t->path = canon_path;
 	t->keys = keys;
 	vn_random_bytes(&t->rng, sizeof(t->rng));
+	t->wal_ok = vn_wal_init(&t->wal, db_name) == 0;
 	rc = vn_spool_init(&t->spool, keys, spool_root, canon_path);
 	t->spool_ok = rc == 0;
 	return rc;
@@ -141,6 +142,8 @@ void vn_tracker_fini(struct vn_tracker *t)
 {
 	if (t->spool_ok)
 		vn_spool_fini(&t->spool);
+	if (t->wal_ok)
+		vn_wal_fini(&t->wal);
 	vn_spool_close(&t->session);
 	free(t->staged.chunks);
 	free(t->dirty);
@@ -151,10 +154,15 @@ void vn_tracker_fini(struct vn_tracker *t)
 	memset(t, 0, sizeof(*t));
 }
 
-void vn_tracker_reset(struct vn_tracker *t)
+static void clear_dirty(struct vn_tracker *t)
 {
 	if (t->dirty != NULL)
 		memset(t->dirty, 0, t->dirty_words * sizeof(uint64_t));
+}
+
+void vn_tracker_reset(struct vn_tracker *t)
+{
+	clear_dirty(t);
 	t->force_full = 0;
 	t->version_written = 0;
 	t->uuid_written = 0;
@@ -273,6 +281,23 @@ int vn_journal_is_hot(const char *db_path)
 /* ---- snapshots ---------------------------------------------------------- */
 
 /*
+ * A snapshot of a database in WAL mode is a rollback-journal database:
+ * bytes 18 and 19 of its header (file format write and read versions) are
+ * 1, not 2.  SQLite opens a file whose header says WAL only with its -wal
+ * and -shm beside it, or where it can create them: a replica on a read-only
+ * mount, or a restored file, would not open with `sqlite3 -readonly`.  Only
+ * these two bytes differ from the committed state (docs/WRITER.md, "WAL
+ * databases").
+ */
+static void patch_wal_header(uint8_t *chunk0)
+{
+	if (chunk0[VN_HEADER_WAL_WRITE] == 2)
+		chunk0[VN_HEADER_WAL_WRITE] = 1;
+	if (chunk0[VN_HEADER_WAL_READ] == 2)
+		chunk0[VN_HEADER_WAL_READ] = 1;
+}
+
+/*
  * One snapshot as it goes through the steps of vn_tracker_snapshot(): what
  * the file is now, what the judge decided, what staging produced, what is
  * published, and what failed.
@@ -281,6 +306,15 @@ struct build {
 	struct vn_tracker *t;
 	sqlite3_file *db;
 	struct vn_spool_session *s; /* t->session */
+
+	/* What is read: the file alone, or (wal != NULL) the committed state
+	 * of a WAL database, with its frames when `overlay` (the index is at
+	 * the commit); a header that says WAL is patched (patch_header). */
+	struct vn_wal *wal;
+	int overlay;
+	int patch_header;
+	int have_size;     /* size is the committed state's, given */
+	uint64_t pending_byte; /* SQLite's lock bytes (vn_snapshot_config) */
 
 	/* The file now (read_current). */
 	sqlite3_int64 size;
@@ -327,20 +361,37 @@ static int spool_failed(struct build *b, int err)
 	return fail_with(b, b->s->what, err);
 }
 
+/* Bytes [off, off + len) of what is snapshotted: the file, or the
+ * committed state of a WAL database (past the file's end, zeros, as SQLite
+ * reads them). */
+static int read_bytes(struct build *b, uint8_t *buf, size_t len, uint64_t off)
+{
+	int rc, err;
+
+	if (b->wal != NULL && b->overlay) {
+		if (vn_wal_read(b->wal, b->db, buf, len, off, &rc, &err) == 0)
+			return 0;
+		if (err != 0)
+			return fail_with(b, b->wal->what, err);
+	} else {
+		rc = b->db->pMethods->xRead(b->db, buf, (int)len,
+		    (sqlite3_int64)off);
+		if (rc == SQLITE_OK ||
+		    (b->wal != NULL && rc == SQLITE_IOERR_SHORT_READ))
+			return 0;
+	}
+	b->what = "read the database";
+	b->sqlite_rc = rc;
+	return -1;
+}
+
 static int read_chunk(struct build *b, uint64_t i, uint8_t *buf, size_t *len)
 {
 	sqlite3_int64 off = (sqlite3_int64)i * VN_CHUNK_SIZE;
 	sqlite3_int64 left = b->size - off;
-	int rc;
 
 	*len = left < VN_CHUNK_SIZE ? (size_t)left : VN_CHUNK_SIZE;
-	rc = b->db->pMethods->xRead(b->db, buf, (int)*len, off);
-	if (rc != SQLITE_OK) {
-		b->what = "read the database";
-		b->sqlite_rc = rc;
-		return -1;
-	}
-	return 0;
+	return read_bytes(b, buf, *len, (uint64_t)off);
 }
 
 /* Fingerprints chunk i's bytes, records the fingerprint in the chunk list
@@ -388,10 +439,7 @@ static int process_chunk(struct build *b, uint64_t i)
 
 static int read_for_tops(void *ctx, uint8_t *buf, size_t len, uint64_t off)
 {
-	struct build *b = ctx;
-
-	return b->db->pMethods->xRead(b->db, buf, (int)len,
-	    (sqlite3_int64)off) == SQLITE_OK ? 0 : -1;
+	return read_bytes(ctx, buf, len, off);
 }
 
 /*
@@ -693,7 +741,8 @@ static enum vn_snapshot_result read_current(struct build *b,
 		fail_with(b, "locate the spool directory", ENOENT);
 		return VN_SNAPSHOT_FAILED;
 	}
-	if (b->db->pMethods->xFileSize(b->db, &b->size) != SQLITE_OK) {
+	if (!b->have_size &&
+	    b->db->pMethods->xFileSize(b->db, &b->size) != SQLITE_OK) {
 		b->what = "get the file size";
 		return VN_SNAPSHOT_FAILED;
 	}
@@ -708,15 +757,28 @@ static enum vn_snapshot_result read_current(struct build *b,
 	if (read_chunk(b, 0, t->chunk0, &b->len0) != 0)
 		return VN_SNAPSHOT_FAILED;
 	hn = b->len0 < VN_HEADER_BYTES ? b->len0 : VN_HEADER_BYTES;
-	/* Bytes 18 and 19: file format write/read versions; 2 means WAL. */
-	if (hn >= 20 && (t->chunk0[18] == 2 || t->chunk0[19] == 2))
-		return VN_SNAPSHOT_WAL;
+	if (hn > VN_HEADER_WAL_READ &&
+	    (t->chunk0[VN_HEADER_WAL_WRITE] == 2 ||
+	    t->chunk0[VN_HEADER_WAL_READ] == 2)) {
+		if (!b->patch_header)
+			return VN_SNAPSHOT_WAL;
+		patch_wal_header(t->chunk0);
+	}
 	b->n_chunks = ((uint64_t)b->size + VN_CHUNK_SIZE - 1) / VN_CHUNK_SIZE;
 	b->now.header_fprint = vn_umash_fprint(&t->keys->header, 0, t->chunk0,
 	    hn);
 	b->now.has_header_fprint = 1;
-	read_version_id(b);
+	if (b->wal == NULL)
+		read_version_id(b);
 	return VN_SNAPSHOT_DONE;
+}
+
+/* Room for a chunk in the spool: 0, or -1 with b->what set. */
+static int check_room(struct build *b)
+{
+	int rc = vn_spool_check_room(b->s, VN_CHUNK_SIZE);
+
+	return rc == 0 ? 0 : spool_failed(b, rc);
 }
 
 /*
@@ -737,10 +799,16 @@ static int open_session(struct build *b)
 		if (rc != 0)
 			return spool_failed(b, rc);
 	}
-	rc = vn_spool_check_room(b->s, VN_CHUNK_SIZE);
-	if (rc != 0)
-		return spool_failed(b, rc);
-	return 0;
+	return check_room(b);
+}
+
+/* Whether the decoded staged manifest can be updated in place: ours (one
+ * fingerprint per chunk, no base chunk) and not empty. */
+static int staged_is_ours(const struct vn_tracker *t)
+{
+	return !t->staged.has_base_chunks_fprint && t->staged.len > 0 &&
+	    t->staged.n_words == 2 * ((t->staged.len + VN_CHUNK_SIZE - 1) /
+	    VN_CHUNK_SIZE);
 }
 
 /*
@@ -763,10 +831,7 @@ static void judge_staged(struct build *b)
 		    vn_spool_manifest_id(b->s, &t->spool, &id) != 0 ||
 		    !vn_file_id_equal(&id, &t->staged_id))
 			load_staged(t);
-		b->use_incremental = t->staged_valid &&
-		    !t->staged.has_base_chunks_fprint && t->staged.len > 0 &&
-		    t->staged.n_words == 2 * ((t->staged.len + VN_CHUNK_SIZE - 1) /
-		    VN_CHUNK_SIZE) &&
+		b->use_incremental = t->staged_valid && staged_is_ours(t) &&
 		    t->staged.version_id_len == t->base_version_len &&
 		    memcmp(t->staged.version_id, t->base_version,
 		    t->staged.version_id_len) == 0;
@@ -817,6 +882,46 @@ static int stage_chunks(struct build *b, size_t bundle_chunks)
 }
 
 /*
+ * The version id of a WAL snapshot: 16 random bytes, then the header
+ * fingerprint (the layout of docs/FORMAT.md).  No extended attribute: WAL
+ * commits do not write the database file, and what changed is read from the
+ * WAL since the position the record of the staged snapshot names (walrec.h),
+ * which names the snapshot by this id.
+ */
+static void wal_version_id(struct build *b)
+{
+	uint8_t id[VN_UUID_BYTES];
+
+	vn_random_bytes(id, sizeof(id));
+	b->now.version_id_len = make_version_id(b->now.version_id, id,
+	    sizeof(id), &b->now.header_fprint);
+}
+
+/*
+ * The manifest's ctime: when the file last changed.  A WAL commit changes
+ * the WAL, not the database file: for a committed state with frames, the
+ * WAL's last modification (the commit's frames were its last write, under
+ * the write lock); otherwise the file's status change.
+ */
+static void snapshot_time(struct build *b)
+{
+	struct stat st;
+	int rc;
+
+	if (b->wal != NULL && b->overlay && b->wal->fd >= 0 &&
+	    fstat(b->wal->fd, &st) == 0) {
+		b->now.ctime = (int64_t)st.st_mtim.tv_sec;
+		b->now.ctime_ns = (int32_t)st.st_mtim.tv_nsec;
+		return;
+	}
+	rc = stat(b->t->path, &st);
+	if (rc == 0) {
+		b->now.ctime = (int64_t)st.st_ctim.tv_sec;
+		b->now.ctime_ns = (int32_t)st.st_ctim.tv_nsec;
+	}
+}
+
+/*
  * The manifest to publish, into b->now: the staged one when nothing changed
  * since it was written (same fingerprints, length and version id:
  * b->unchanged), else a new one over b->words; either way with chunk 0 and
@@ -826,25 +931,24 @@ static void describe_snapshot(struct build *b)
 {
 	struct vn_tracker *t = b->t;
 	struct vn_manifest *now = &b->now;
-	struct stat st;
 
+	/* A WAL snapshot's version id is fresh when the contents change. */
 	b->unchanged = b->use_incremental && !b->changed &&
-	    b->old_len == (uint64_t)b->size &&
-	    t->staged.version_id_len == now->version_id_len &&
+	    b->old_len == (uint64_t)b->size && (b->wal != NULL ||
+	    (t->staged.version_id_len == now->version_id_len &&
 	    memcmp(t->staged.version_id, now->version_id,
-	    now->version_id_len) == 0;
+	    now->version_id_len) == 0));
 	if (b->unchanged) {
 		*now = t->staged;
 		b->id = t->staged_id;
 	} else {
+		if (b->wal != NULL)
+			wal_version_id(b);
 		now->contents_fprint = vn_umash_fprint(&t->keys->directory, 0,
 		    b->words, 16 * b->n_chunks);
 		now->has_contents_fprint = 1;
 		now->len = (uint64_t)b->size;
-		if (stat(t->path, &st) == 0) {
-			now->ctime = (int64_t)st.st_ctim.tv_sec;
-			now->ctime_ns = (int32_t)st.st_ctim.tv_nsec;
-		}
+		snapshot_time(b);
 		now->chunks = b->words;
 		now->n_words = 2 * b->n_chunks;
 	}
@@ -962,7 +1066,300 @@ static enum vn_snapshot_result abandon(struct build *b)
 	vn_tracker_clear_version(t);
 	vn_spool_close(b->s);
 	t->staged_valid = 0;
+	t->rec_valid = 0;
 	return VN_SNAPSHOT_FAILED;
+}
+
+/* ---- WAL: the record, the commit's position, what changed --------------- */
+
+/*
+ * The staged manifest (decoded in t->staged, as judge_staged reads it) and
+ * the record beside it, into t->rec: t->rec_valid when the record names
+ * that manifest and the manifest can be updated in place.  The record is
+ * read every time (one pread): another process may have moved it on.
+ */
+static void load_record(struct build *b)
+{
+	struct vn_tracker *t = b->t;
+	uint8_t buf[VN_WALREC_BYTES + 1];
+	struct vn_file_id id;
+	size_t len = 0;
+
+	t->rec_valid = 0;
+	if (!t->staged_valid || vn_spool_manifest_id(b->s, &t->spool, &id) != 0 ||
+	    !vn_file_id_equal(&id, &t->staged_id))
+		load_staged(t);
+	if (!t->staged_valid || !staged_is_ours(t))
+		return;
+	if (vn_spool_read_walrec(b->s, buf, sizeof(buf), &len) != 0 ||
+	    vn_walrec_decode(buf, len, t->keys, &t->rec) != 0)
+		return;
+	t->rec_valid = t->rec.version_id_len == t->staged.version_id_len &&
+	    memcmp(t->rec.version_id, t->staged.version_id,
+	    t->rec.version_id_len) == 0;
+}
+
+/* Writes the record of the staged manifest (t->staged, just published or
+ * found current): what it stands for is in *r but its version id.  A
+ * position with no WAL header (salts all zero) names no generation: every
+ * session's WAL starts there, so it is recorded as the file (which it is).
+ * A failure only costs the next snapshot a full scan: it is logged. */
+static void write_record(struct build *b, struct vn_walrec *r)
+{
+	struct vn_tracker *t = b->t;
+	uint8_t buf[VN_WALREC_BYTES];
+	int rc;
+
+	if (r->kind == VN_WALREC_POS && vn_wal_salt_none(r->pos.salt)) {
+		r->kind = VN_WALREC_FILE;
+		if (vn_file_prove(t->path, b->db, t->keys, &r->proof) != 0 ||
+		    r->proof.size != t->staged.len) {
+			t->rec_valid = 0;
+			return;
+		}
+	}
+
+	memcpy(r->version_id, t->staged.version_id, t->staged.version_id_len);
+	r->version_id_len = t->staged.version_id_len;
+	vn_walrec_encode(r, t->keys, buf);
+	rc = vn_spool_write_walrec(b->s, buf, sizeof(buf));
+	t->rec = *r;
+	t->rec_valid = rc == 0;
+	if (rc != 0)
+		vn_log(SQLITE_WARNING, "verneuil: %s: %s: %s (the next snapshot "
+		    "is a full scan)", t->path, b->s->what, strerror(rc));
+}
+
+/* Records that the staged snapshot is the database file as it is now. */
+static void record_file(struct build *b)
+{
+	struct vn_walrec r = { .kind = VN_WALREC_FILE };
+
+	if (vn_file_prove(b->t->path, b->db, b->t->keys, &r.proof) == 0 &&
+	    r.proof.size == b->t->staged.len)
+		write_record(b, &r);
+}
+
+/* Whether the database file is still what the FILE record proved. */
+static int file_unchanged(struct build *b)
+{
+	struct vn_file_proof now;
+
+	return vn_file_prove(b->t->path, b->db, b->t->keys, &now) == 0 &&
+	    vn_file_proof_equal(&now, &b->t->rec.proof) &&
+	    now.size == b->t->staged.len;
+}
+
+/*
+ * The commit's position: the wal-index header's (c->have_end), or found in
+ * the WAL file as SQLite's recovery finds it (its last valid commit frame;
+ * no WAL: the file alone), the index then at it.  0, or -1 with b->what
+ * set.
+ */
+static int wal_end(struct build *b, const struct vn_wal_commit *c,
+    struct vn_wal_pos *end)
+{
+	struct vn_wal *w = b->wal;
+	uint32_t ck[2];
+	int rc;
+
+	if (c->have_end) {
+		*end = c->end;
+		return 0;
+	}
+	memset(end, 0, sizeof(*end));
+	rc = vn_wal_read_header(w);
+	if (rc == 0 && vn_wal_chain_at(w, w->n, ck) != 0) {
+		vn_wal_forget(w);
+		rc = vn_wal_read_header(w);
+	}
+	if (rc == ENOENT)
+		return 0;
+	if (rc == 0)
+		rc = vn_wal_verify(w, 0, 0, end);
+	return rc == 0 ? 0 : fail_with(b, w->what, rc);
+}
+
+/* Whether the staged snapshot is the state at `end` already. */
+static int record_current(struct build *b, const struct vn_wal_pos *end)
+{
+	const struct vn_walrec *r = &b->t->rec;
+
+	if (!b->t->rec_valid || b->t->force_full)
+		return 0;
+	if (r->kind == VN_WALREC_POS)
+		return vn_wal_pos_equal(&r->pos, end);
+	return end->mx == 0 && (end->npage == 0 ||
+	    (uint64_t)end->npage * end->pgsz == r->proof.size) &&
+	    file_unchanged(b);
+}
+
+/*
+ * Brings the index to `end`, the frames up to `from` taken as the record
+ * says (their pages read from their headers, the chain after `from` from
+ * the record: they were verified when committed), those after it verified;
+ * from < 0: every frame verified from the WAL's header.  0; 1 if the WAL
+ * does not hold what the record says; -1 on an error (b->what set).
+ */
+static int index_to(struct build *b, const struct vn_wal_pos *end, int64_t from)
+{
+	struct vn_wal *w = b->wal;
+	const struct vn_wal_pos *r = &b->t->rec.pos;
+	struct vn_wal_pos got;
+	uint32_t ck[2];
+	int rc;
+
+	b->overlay = 0;
+	if (end->mx == 0)
+		return 0; /* no frame: the file alone */
+	rc = vn_wal_use_generation(w, end->salt);
+	if (rc == 0 && (w->n > end->mx || (from <= 0 && w->anchor != 0) ||
+	    (from > 0 && w->n > (uint32_t)from &&
+	    vn_wal_chain_at(w, (uint32_t)from, ck) != 0))) {
+		vn_wal_forget(w); /* start again from the header */
+		rc = vn_wal_use_generation(w, end->salt);
+	}
+	if (rc == 0 && from > 0) {
+		if (w->n < (uint32_t)from)
+			rc = vn_wal_index_headers(w, (uint32_t)from);
+		if (rc == 0 && vn_wal_chain_at(w, (uint32_t)from, ck) != 0)
+			vn_wal_anchor(w, r->cksum); /* the index ends at `from` */
+		else if (rc == 0 && (ck[0] != r->cksum[0] ||
+		    ck[1] != r->cksum[1]))
+			return 1;
+	}
+	if (rc == 0)
+		rc = vn_wal_verify(w, end->mx, 1, &got);
+	if (rc == 0 && (!vn_wal_pos_equal(&got, end) || got.npage != end->npage ||
+	    got.pgsz != end->pgsz))
+		rc = EPROTO;
+	if (rc == EPROTO && from >= 0) {
+		vn_wal_forget(w);
+		return 1;
+	}
+	if (rc != 0) {
+		vn_wal_forget(w);
+		return fail_with(b, rc == ENOENT ? "find the committed frames' "
+		    "WAL" : w->what, rc);
+	}
+	b->overlay = 1;
+	return 0;
+}
+
+/* Marks the chunks of the pages in frames (from, end->mx] dirty. */
+static void mark_frames(struct build *b, uint32_t from,
+    const struct vn_wal_pos *end)
+{
+	const struct vn_wal *w = b->wal;
+
+	for (uint32_t f = from + 1; f <= end->mx; f++) {
+		uint64_t i = (uint64_t)(w->pgno[f - 1] - 1) * w->pgsz /
+		    VN_CHUNK_SIZE;
+
+		mark_range(b->t, i, i);
+	}
+	b->t->stats.wal_frames += end->mx - from;
+}
+
+/*
+ * Judge, for a WAL commit: the staged snapshot plus the pages of the frames
+ * after `from` make the committed state at `end` when the record says the
+ * staged snapshot is
+ *   - the state at a position of the same generation, up to `end`: the
+ *     frames after it;
+ *   - the state where this writer's write lock began, when the WAL was reset
+ *     since (only the lock's holder can: it did, after a checkpoint that
+ *     copied every frame into the file): every frame of the new generation;
+ *   - the file, unchanged since the record: every frame of the WAL.
+ * Otherwise (or if the WAL disagrees with the record) a full scan.  Brings
+ * the index to `end` either way.  0, or -1 with b->what set.
+ */
+static int judge_wal(struct build *b, const struct vn_wal_commit *c,
+    const struct vn_wal_pos *end)
+{
+	struct vn_tracker *t = b->t;
+	const struct vn_walrec *r = &t->rec;
+	int64_t from = -1;
+	int rc;
+
+	if (!t->force_full && t->rec_valid) {
+		if (r->kind == VN_WALREC_POS &&
+		    memcmp(r->pos.salt, end->salt, sizeof(end->salt)) == 0 &&
+		    r->pos.mx <= end->mx)
+			from = r->pos.mx;
+		else if (r->kind == VN_WALREC_POS && c->have_start &&
+		    memcmp(c->start.salt, end->salt, sizeof(end->salt)) != 0 &&
+		    vn_wal_pos_equal(&r->pos, &c->start))
+			from = 0;
+		else if (r->kind == VN_WALREC_FILE && file_unchanged(b))
+			from = 0;
+	}
+	rc = index_to(b, end, from);
+	if (rc > 0) {
+		vn_log(SQLITE_NOTICE, "verneuil: %s: the WAL does not hold what "
+		    "the staged snapshot's record says; rebuilding the snapshot",
+		    t->path);
+		from = -1;
+		rc = index_to(b, end, from);
+	}
+	if (rc != 0)
+		return -1;
+	b->use_incremental = from >= 0;
+	b->old_len = from >= 0 ? t->staged.len : 0;
+	clear_dirty(t);
+	if (from >= 0 && b->overlay)
+		mark_frames(b, (uint32_t)from, end);
+	return 0;
+}
+
+
+/* Most freelist trunk pages file_is_whole() reads: a freelist of a million
+ * pages of 4 KiB has 1,000 trunks; a longer walk proves nothing more. */
+#define VN_FREELIST_MAX_TRUNKS 4096
+
+static uint32_t get_be32(const uint8_t *p)
+{
+	return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 |
+	    (uint32_t)p[2] << 8 | (uint32_t)p[3];
+}
+
+/* Removes from missing[0..*n) the pages on the committed state's freelist
+ * (its trunks are read through b): 0, or -1 on a read error. */
+static int drop_free_pages(struct build *b, const struct vn_wal_pos *end,
+    uint32_t *missing, size_t *n)
+{
+	uint8_t *page;
+	uint32_t trunk;
+
+	if (ensure_buffers(b->t) != 0)
+		return -1;
+	page = b->t->buf; /* VN_CHUNK_SIZE bytes: any page fits */
+	if (read_bytes(b, page, VN_HEADER_BYTES, 0) != 0)
+		return -1;
+	trunk = get_be32(page + 32);
+	for (int hops = 0; trunk != 0 && trunk <= end->npage && *n > 0 &&
+	    hops < VN_FREELIST_MAX_TRUNKS; hops++) {
+		uint32_t leaves;
+
+		if (read_bytes(b, page, end->pgsz,
+		    (uint64_t)(trunk - 1) * end->pgsz) != 0)
+			return -1;
+		leaves = get_be32(page + 4);
+		if (leaves > end->pgsz / 4 - 2)
+			leaves = end->pgsz / 4 - 2;
+		for (uint32_t l = 0; l < leaves; l++) {
+			uint32_t leaf = get_be32(page + 8 + 4 * l);
+
+			for (size_t k = 0; k < *n; k++) {
+				if (missing[k] == leaf) {
+					missing[k] = missing[--*n];
+					break;
+				}
+			}
+		}
+		trunk = get_be32(page);
+	}
+	return 0;
 }
 
 /*
@@ -985,6 +1382,133 @@ static enum vn_snapshot_result too_large(struct build *b, uint64_t max_db_size)
 	return VN_SNAPSHOT_TOO_LARGE;
 }
 
+/* read_current, with a failure abandoned and a file too large said:
+ * VN_SNAPSHOT_DONE to go on, else the result to return. */
+static enum vn_snapshot_result current_state(struct build *b,
+    const struct vn_snapshot_config *config)
+{
+	enum vn_snapshot_result res = read_current(b, config->max_db_size);
+
+	if (res == VN_SNAPSHOT_FAILED)
+		return abandon(b);
+	if (res == VN_SNAPSHOT_TOO_LARGE)
+		return too_large(b, config->max_db_size);
+	if (res == VN_SNAPSHOT_DONE)
+		b->t->too_large_said = 0;
+	return res;
+}
+
+/*
+ * Whether the file holds the database.  SQLite writes every page it adds
+ * as a frame, so a page of the committed state past the file's end has one,
+ * but for the page of its lock bytes and freelist leaves (their bytes are
+ * never used, and without SQLITE_SECURE_DELETE never written): those SQLite
+ * reads as zeros, and so does a snapshot.  Any other page with no frame means the
+ * file is a piece of a database that a VFS layered above us spreads over
+ * several files (SQLite's multiplexor does), whose state this file and the
+ * WAL alone do not make.
+ */
+static int file_is_whole(struct build *b, const struct vn_wal_pos *end)
+{
+	uint32_t missing[64];
+	sqlite3_int64 fsize;
+	uint64_t first, lock_page;
+	size_t n = 0;
+
+	if (end->npage == 0 || end->pgsz == 0 ||
+	    b->db->pMethods->xFileSize(b->db, &fsize) != SQLITE_OK)
+		return 1; /* the file itself; or reads will fail anyway */
+	first = ((uint64_t)fsize + end->pgsz - 1) / end->pgsz + 1;
+	/* The page of SQLite's lock bytes, which it never writes. */
+	lock_page = b->pending_byte / end->pgsz + 1;
+	for (uint64_t p = first; p <= end->npage; p++) {
+		if ((b->overlay && vn_wal_frame_of(b->wal, (uint32_t)p) != 0) ||
+		    p == lock_page)
+			continue;
+		if (n == sizeof(missing) / sizeof(missing[0]))
+			return 0; /* more than a few: not freelist leaves */
+		missing[n++] = (uint32_t)p;
+	}
+	if (n == 0)
+		return 1;
+	if (!b->overlay || drop_free_pages(b, end, missing, &n) != 0)
+		return 0;
+	return n == 0;
+}
+
+/* The committed state's size: its pages, or the file's when the WAL does
+ * not say (no commit frame since the WAL was created). */
+static void wal_size(struct build *b, const struct vn_wal_pos *end)
+{
+	if (end->npage != 0 && end->pgsz != 0) {
+		b->size = (sqlite3_int64)end->npage * end->pgsz;
+		b->have_size = 1;
+	}
+}
+
+enum vn_snapshot_result vn_tracker_snapshot_wal(struct vn_tracker *t,
+    sqlite3_file *db, const struct vn_wal_commit *c,
+    const struct vn_snapshot_config *config, struct vn_wal_pos *done)
+{
+	struct build b = { .t = t, .db = db, .s = &t->session, .wal = &t->wal,
+	    .patch_header = 1, .pending_byte = config->pending_byte };
+	struct vn_walrec r = { .kind = VN_WALREC_POS };
+	enum vn_snapshot_result res;
+
+	if (!t->wal_ok) {
+		fail_with(&b, "allocate the WAL's index", ENOMEM);
+		return abandon(&b);
+	}
+	if (!t->spool_ok) {
+		fail_with(&b, "locate the spool directory", ENOENT);
+		return abandon(&b);
+	}
+	if (open_session(&b) != 0 || wal_end(&b, c, &r.pos) != 0)
+		return abandon(&b);
+	load_record(&b);
+	if (record_current(&b, &r.pos)) {
+		if (done != NULL)
+			*done = r.pos;
+		return VN_SNAPSHOT_DONE;
+	}
+	if (check_room(&b) != 0 || judge_wal(&b, c, &r.pos) != 0)
+		return abandon(&b);
+	if (!file_is_whole(&b, &r.pos))
+		return VN_SNAPSHOT_SPLIT;
+	wal_size(&b, &r.pos);
+	res = current_state(&b, config);
+	if (res != VN_SNAPSHOT_DONE)
+		return res;
+	if (stage_chunks(&b, config->bundle_chunks) != 0)
+		return abandon(&b);
+	describe_snapshot(&b);
+	if (publish_manifest(&b) != 0)
+		return abandon(&b);
+	write_record(&b, &r);
+	t->stats.wal++;
+	t->force_full = 0;
+	if (publish_ready(&b) == 0)
+		maybe_gc(&b, config->gc_weight);
+	if (done != NULL)
+		*done = r.pos;
+	return VN_SNAPSHOT_DONE;
+}
+
+int vn_tracker_wal_intact(struct vn_tracker *t, const struct vn_wal_pos *end)
+{
+	struct vn_wal *w = &t->wal;
+	struct vn_wal_pos got;
+
+	if (!t->wal_ok)
+		return 0;
+	if (end->mx == 0)
+		return 1; /* nothing to copy, nothing copied */
+	vn_wal_forget(w);
+	return vn_wal_use_generation(w, end->salt) == 0 &&
+	    vn_wal_verify(w, end->mx, 1, &got) == 0 &&
+	    vn_wal_pos_equal(&got, end);
+}
+
 /*
  * A snapshot in the steps of Verneuil's: read the file's chunk 0 and
  * version id; judge whether the staged manifest can be updated from the
@@ -994,19 +1518,15 @@ static enum vn_snapshot_result too_large(struct build *b, uint64_t max_db_size)
  * SQLite: a failed step abandons the snapshot (logged; the commit stands).
  */
 enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
-    sqlite3_file *db, const struct vn_snapshot_config *config)
+    sqlite3_file *db, const struct vn_snapshot_config *config, int into_wal)
 {
-	struct build b = { .t = t, .db = db, .s = &t->session };
+	struct build b = { .t = t, .db = db, .s = &t->session,
+	    .patch_header = into_wal };
 	enum vn_snapshot_result res;
 
-	res = read_current(&b, config->max_db_size);
-	if (res == VN_SNAPSHOT_FAILED)
-		return abandon(&b);
-	if (res == VN_SNAPSHOT_TOO_LARGE)
-		return too_large(&b, config->max_db_size);
+	res = current_state(&b, config);
 	if (res != VN_SNAPSHOT_DONE)
-		return res; /* empty or WAL: nothing to snapshot */
-	t->too_large_said = 0;
+		return res; /* empty, WAL, too large or failed */
 	if (open_session(&b) != 0)
 		return abandon(&b);
 	judge_staged(&b);
@@ -1015,6 +1535,8 @@ enum vn_snapshot_result vn_tracker_snapshot(struct vn_tracker *t,
 	describe_snapshot(&b);
 	if (publish_manifest(&b) != 0)
 		return abandon(&b);
+	if (into_wal)
+		record_file(&b);
 	/* GC only beside a ready left alone: publishing ready empties
 	 * staging/chunks. */
 	if (publish_ready(&b) == 0)

@@ -1,7 +1,8 @@
 /*
  * The `verneuil` SQLite VFS: a shim over the default (unix) VFS that stages
  * a content-addressed snapshot of every main database file in a local spool
- * after each write transaction (docs/SPOOL.md, docs/WRITER.md).
+ * after each commit, with a rollback journal or in WAL mode (docs/SPOOL.md,
+ * docs/WRITER.md).
  *
  * This is the one public header (used by the cffi build, writer_vfs/).
  * Replication never fails or blocks SQLite: errors are reported through
@@ -25,6 +26,15 @@ extern "C" {
 #endif
 
 #define VERNEUIL_VFS_NAME "verneuil"
+
+/*
+ * sqlite3_file_control(db, "main", VERNEUIL_FCNTL_WAL_UNREPLICATED, &on)
+ * (int on) sets `on` to 1 when the file's WAL commits are not replicated
+ * through this connection (its WAL's shared memory, or part of the
+ * database, is handled by another VFS above `verneuil`), else 0.  An opcode
+ * of our own, above SQLite's.
+ */
+#define VERNEUIL_FCNTL_WAL_UNREPLICATED 0x76650001
 
 /*
  * Registers the VFS (first call) or updates its configuration (later
@@ -90,7 +100,8 @@ int verneuil_vfs_set_bundle_chunks(int n);
 /* Also copy every log message to stderr (for debugging). */
 void verneuil_vfs_set_log_stderr(int on);
 
-/* Print "not replicated" warnings (a WAL database) on stderr too: on by
+/* Print "not replicated" warnings on stderr too (a spool that keeps failing,
+ * a WAL database whose shared memory a VFS above us implements): on by
  * default; VERNEUIL_CONFIG's "warn_stderr": false turns it off. */
 void verneuil_vfs_set_warn_stderr(int on);
 

@@ -2,14 +2,29 @@
  * The `verneuil` VFS: a thin shim over the default VFS, in the shape of
  * SQLite's ext/misc/cksumvfs.c.  Only main database files are wrapped
  * (SQLITE_OPEN_MAIN_DB, opened read-write, with a spool configured);
- * journals, temp files and everything else pass straight through.
+ * journals, WAL files, temp files and everything else pass straight through.
  *
- * Commit detection: a write transaction ends with xUnlock from >= RESERVED
- * to <= SHARED.  We then check for a hot journal (while still holding the
- * write lock, so no other writer can be writing the journal), downgrade to
- * SHARED with the underlying xUnlock, bring the spool's `staging` snapshot up
- * to date while holding that read lock (tracker.c, spool.c), and only then
- * finish unlocking.  Any replication error is logged; SQLite never sees it.
+ * Commit detection, rollback journal: a write transaction ends with xUnlock
+ * from >= RESERVED to <= SHARED.  We then check for a hot journal (while
+ * still holding the write lock, so no other writer can be writing the
+ * journal), downgrade to SHARED with the underlying xUnlock, bring the
+ * spool's `staging` snapshot up to date while holding that read lock
+ * (tracker.c, spool.c), and only then finish unlocking.
+ *
+ * Commit detection, WAL (docs/WRITER.md, "WAL databases"): writers take
+ * the WAL write lock (xShmLock, slot 0, exclusive) on the main file; its
+ * release ends every write transaction, checkpoint or recovery that held it.
+ * Before forwarding that release we read the wal-index header, and if it
+ * names another state than the staged snapshot's, snapshot it (nobody can
+ * append to the WAL or reset it meanwhile).  With locking_mode=EXCLUSIVE
+ * SQLite takes no shm lock: the commit is SQLITE_FCNTL_COMMIT_PHASETWO,
+ * which SQLite sends after each commit, under the exclusive lock on the file.
+ * When the last connection closes the WAL (a complete checkpoint under the
+ * exclusive lock, then the WAL deleted), the file is the committed state:
+ * the staged snapshot is recorded as the file (or made from it, if it was
+ * not that state), so the next session's first commit is incremental too.
+ *
+ * Any replication error is logged; SQLite never sees it.
  *
  * Built twice from this source: linked with -lsqlite3 (the cffi module
  * writer_vfs._vfs), and as a loadable extension (VN_LOADABLE_EXTENSION).
@@ -34,6 +49,7 @@ SQLITE_EXTENSION_INIT1
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <unistd.h>
 
 #include "config.h"
 #include "log.h"
@@ -83,11 +99,29 @@ static struct vn_config vn_config = {
 /* State of one wrapped main database file. */
 struct vn_db {
 	int lock;          /* our view of the lock level held */
-	int wal;           /* the db uses WAL: nothing is tracked */
-	int wal_logged;
+	int wal;           /* the db is in WAL mode: writes to the file are
+			    * checkpoints, not tracked */
+	int shm_above;     /* WAL with shared memory out of our sight (a VFS
+			    * layered above us implements it): not replicated */
+	int split;         /* WAL with pages the file does not hold (a VFS
+			    * above us spreads the database over several
+			    * files): not replicated */
 	char *canon;       /* realpath of the database */
 	const char *name;  /* SQLite's name for it (valid until xClose): the
-			    * journal is name + "-journal" */
+			    * journal is name + "-journal", the WAL name + "-wal" */
+	/* WAL, shared memory: the wal-index's first region as mapped through
+	 * us, whether this connection holds the WAL write lock, and the
+	 * wal-index header when it took it (hold_start_ok: a valid one). */
+	const volatile void *shm0;
+	int wal_hold;
+	int hold_start_ok;
+	struct vn_wal_pos hold_start;
+	/* The state this connection last snapshotted (or found current). */
+	int last_ok;
+	struct vn_wal_pos last;
+	/* WAL, locking_mode=EXCLUSIVE: `last` is the state before the next
+	 * transaction, since the exclusive lock was held since (excl_trusted). */
+	int excl_trusted;
 	struct vn_tracker tracker;
 };
 
@@ -100,12 +134,47 @@ struct vn_file {
 #define REAL(f) (((struct vn_file *)(f))->real)
 #define DB(f) (((struct vn_file *)(f))->db)
 
+static void wal_commit(sqlite3_file *f, struct vn_db *db,
+    const struct vn_wal_commit *c);
+
 /* ---- io methods --------------------------------------------------------- */
+
+/*
+ * A WAL database closed by its last connection, the exclusive lock still
+ * held, with no shared memory in our sight (locking_mode=EXCLUSIVE, or a
+ * VFS above us that emulates it): SQLite copied every frame into the file
+ * and deleted the WAL, so the file is the committed state.  Snapshotted
+ * from the file (recorded as the file, for the next session's first
+ * commit); usually the staged snapshot is that state already, which costs a
+ * look at the record.  `start`: the state before the WAL went (NULL:
+ * unknown).
+ */
+static void wal_closed(sqlite3_file *f, struct vn_db *db,
+    const struct vn_wal_pos *start)
+{
+	struct vn_wal_commit c = { .have_start = start != NULL };
+	char *wal;
+	int gone;
+
+	if (start != NULL)
+		c.start = *start;
+	wal = sqlite3_mprintf("%s-wal", db->name);
+	gone = wal != NULL && access(wal, F_OK) != 0 && errno == ENOENT;
+	sqlite3_free(wal);
+	if (gone)
+		wal_commit(f, db, &c);
+}
 
 static int vn_close(sqlite3_file *f)
 {
 	struct vn_db *db = DB(f);
-	int rc = REAL(f)->pMethods->xClose(REAL(f));
+	int rc;
+
+	/* locking_mode=EXCLUSIVE: no unlock before the close. */
+	if (db != NULL && db->wal && db->lock >= SQLITE_LOCK_EXCLUSIVE)
+		wal_closed(f, db, db->excl_trusted && db->last_ok ?
+		    &db->last : NULL);
+	rc = REAL(f)->pMethods->xClose(REAL(f));
 
 	if (db != NULL) {
 		vn_tracker_fini(&db->tracker);
@@ -171,36 +240,47 @@ static int vn_lock(sqlite3_file *f, int level)
 	return rc;
 }
 
-static void log_wal_once(struct vn_db *db)
+/* Creates the database's spool directory and its `source`, so that
+ * `verneuilctl lag` lists it even with no snapshot yet. */
+static void announce_db(struct vn_db *db)
 {
 	struct vn_spool_session s;
 
-	if (db->wal_logged)
-		return;
-	db->wal_logged = 1;
-	/* The database's spool directory and its source file, so that
-	 * `verneuilctl lag` lists it as a WAL database even when it never had
-	 * a snapshot (a database created in WAL mode). */
 	vn_spool_session_init(&s);
-	if (vn_spool_open(&db->tracker.spool, &s) == 0)
+	if (db->tracker.spool_ok && vn_spool_open(&db->tracker.spool, &s) == 0)
 		vn_spool_close(&s);
-	vn_warn("verneuil: %s uses journal_mode=WAL: it is NOT replicated "
-	    "(WAL databases are not; use a rollback journal mode, e.g. "
-	    "PRAGMA journal_mode=DELETE)", db->canon);
 }
 
-/* Offsets 18 and 19 of the SQLite header: file format write / read
- * versions, 2 for WAL and 1 for a rollback journal. */
-#define SQLITE_HEADER_FORMAT_OFFSET 18
+/* SQLite's lock bytes start here unless a program moved them (SQLite's
+ * test suite does, with SQLITE_TESTCTRL_PENDING_BYTE). */
+#define VN_PENDING_BYTE 0x40000000
+
+/* The configuration a snapshot uses. */
+static void snapshot_config(struct vn_snapshot_config *sc)
+{
+	struct vn_config *cfg = &vn_config;
+	/* Asked with 0, SQLite tells where they are and changes nothing. */
+	int pending = sqlite3_test_control(SQLITE_TESTCTRL_PENDING_BYTE, 0);
+
+	pthread_mutex_lock(&cfg->mutex);
+	sc->gc_weight = cfg->gc_weight;
+	sc->bundle_chunks = cfg->bundle_chunks;
+	sc->max_db_size = cfg->max_db_size;
+	pthread_mutex_unlock(&cfg->mutex);
+	sc->pending_byte = pending > 0 ? (uint64_t)pending : VN_PENDING_BYTE;
+}
+
+static_assert(VN_HEADER_WAL_READ == VN_HEADER_WAL_WRITE + 1,
+    "the header's format versions are adjacent");
 
 /* Whether the file's header still declares WAL (or cannot be read: then
- * keep assuming WAL, which only costs replication, never correctness). */
+ * keep assuming WAL, which the WAL path handles, never wrongly). */
 static int header_says_wal(sqlite3_file *f)
 {
 	unsigned char v[2];
 
 	if (REAL(f)->pMethods->xRead(REAL(f), v, sizeof(v),
-		SQLITE_HEADER_FORMAT_OFFSET) != SQLITE_OK)
+		VN_HEADER_WAL_WRITE) != SQLITE_OK)
 		return 1;
 	return v[0] == 2 || v[1] == 2;
 }
@@ -208,10 +288,14 @@ static int header_says_wal(sqlite3_file *f)
 /* A write transaction ended: snapshot under SHARED, then finish unlocking. */
 static int unlock_after_write(sqlite3_file *f, struct vn_db *db, int level)
 {
-	struct vn_config *cfg = &vn_config;
 	struct vn_snapshot_config sc;
 	int hot, rc;
 
+	if (db->shm_above && header_says_wal(f)) {
+		/* The WAL's last connection closed it (its shared memory out
+		 * of our sight), still holding the exclusive lock. */
+		wal_closed(f, db, NULL);
+	}
 	if (db->wal && !header_says_wal(f)) {
 		/*
 		 * The database left WAL mode (xShmUnmap is not always called,
@@ -234,16 +318,11 @@ static int unlock_after_write(sqlite3_file *f, struct vn_db *db, int level)
 		    "no snapshot", db->canon);
 		vn_tracker_clear_version(&db->tracker);
 	} else if (!db->wal) {
-		pthread_mutex_lock(&cfg->mutex);
-		sc.gc_weight = cfg->gc_weight;
-		sc.bundle_chunks = cfg->bundle_chunks;
-		sc.max_db_size = cfg->max_db_size;
-		pthread_mutex_unlock(&cfg->mutex);
-		if (vn_tracker_snapshot(&db->tracker, REAL(f), &sc) ==
-		    VN_SNAPSHOT_WAL) {
+		snapshot_config(&sc);
+		/* A header that says WAL: the WAL path takes its commits. */
+		if (vn_tracker_snapshot(&db->tracker, REAL(f), &sc, 0) ==
+		    VN_SNAPSHOT_WAL)
 			db->wal = 1;
-			log_wal_once(db);
-		}
 	}
 	vn_tracker_reset(&db->tracker);
 	if (level < SQLITE_LOCK_SHARED) {
@@ -258,6 +337,9 @@ static int vn_unlock(sqlite3_file *f, int level)
 {
 	struct vn_db *db = DB(f);
 	int rc;
+
+	if (db != NULL && level < SQLITE_LOCK_EXCLUSIVE)
+		db->excl_trusted = 0; /* others may write the WAL from now on */
 
 	if (db != NULL && db->lock >= SQLITE_LOCK_RESERVED &&
 	    level <= SQLITE_LOCK_SHARED)
@@ -303,7 +385,8 @@ static int pragma(sqlite3_file *f, char **args)
 		    "unchanged=%llu failed=%llu hot_journal=%llu "
 		    "verify_mismatch=%llu ready=%llu gc=%llu gc_removed=%llu "
 		    "staged=%llu bundled=%llu low_space=%llu too_large=%llu "
-		    "wal=%d no_xattr=%d",
+		    "wal=%d wal_snapshots=%llu wal_frames=%llu wal_unreplicated=%d "
+		    "no_xattr=%d",
 		    (unsigned long long)s->full,
 		    (unsigned long long)s->incremental,
 		    (unsigned long long)s->unchanged,
@@ -316,6 +399,8 @@ static int pragma(sqlite3_file *f, char **args)
 		    (unsigned long long)s->bundled,
 		    (unsigned long long)s->low_space,
 		    (unsigned long long)s->too_large, db->wal,
+		    (unsigned long long)s->wal,
+		    (unsigned long long)s->wal_frames, db->shm_above || db->split,
 		    db->tracker.no_xattr);
 		return SQLITE_OK;
 	}
@@ -327,10 +412,133 @@ static int pragma(sqlite3_file *f, char **args)
 	return REAL(f)->pMethods->xFileControl(REAL(f), SQLITE_FCNTL_PRAGMA, args);
 }
 
+/* ---- WAL commits -------------------------------------------------------- */
+
+/* This connection cannot replicate the database's WAL commits (why: said
+ * once, on stderr and in the log): its replicas stay where they are. */
+static void not_replicated(struct vn_db *db, const char *why)
+{
+	db->wal = 1;
+	announce_db(db);
+	vn_warn("verneuil: %s: %s: it is NOT replicated", db->canon, why);
+}
+
+/* A WAL commit, seen under the WAL write lock (c->have_end) or the
+ * exclusive lock on the file: the snapshot, remembered as `last`. */
+static void wal_commit(sqlite3_file *f, struct vn_db *db,
+    const struct vn_wal_commit *c)
+{
+	struct vn_snapshot_config sc;
+
+	enum vn_snapshot_result res;
+
+	if (db->split)
+		return;
+	snapshot_config(&sc);
+	res = vn_tracker_snapshot_wal(&db->tracker, REAL(f), c, &sc, &db->last);
+	db->last_ok = res == VN_SNAPSHOT_DONE;
+	if (res == VN_SNAPSHOT_SPLIT) {
+		db->split = 1;
+		not_replicated(db, "its WAL holds pages the file does not: the "
+		    "database is spread over several files by another VFS "
+		    "layered above verneuil (SQLite's multiplexor does)");
+	}
+}
+
+/* The WAL write lock is about to be released (shared memory). */
+static void wal_unlocking(sqlite3_file *f, struct vn_db *db)
+{
+	struct vn_wal_commit c = { .have_end = 1,
+	    .have_start = db->hold_start_ok, .start = db->hold_start };
+
+	db->wal_hold = 0;
+	if (vn_walindex_read(db->shm0, &c.end) != 0)
+		return; /* no valid header: nothing committed to read */
+	/* A rolled-back transaction, a checkpoint or a recovery that changed
+	 * nothing: the state this connection snapshotted last.  Not so with
+	 * no WAL generation: the state is then the file, which may change
+	 * under the same position (another session, a file put in place). */
+	if (db->last_ok && !db->tracker.force_full &&
+	    !vn_wal_salt_none(c.end.salt) &&
+	    vn_wal_pos_equal(&c.end, &db->last))
+		return;
+	wal_commit(f, db, &c);
+}
+
+/* The switch to WAL just committed (a rollback-journal transaction rewrote
+ * the header): snapshot the file now, before SQLite opens the WAL. */
+static void into_wal(sqlite3_file *f, struct vn_db *db)
+{
+	struct vn_snapshot_config sc;
+
+	db->wal = 1;
+	if (vn_journal_is_hot(db->name)) {
+		vn_tracker_clear_version(&db->tracker);
+	} else {
+		snapshot_config(&sc);
+		vn_tracker_snapshot(&db->tracker, REAL(f), &sc, 1);
+	}
+	vn_tracker_reset(&db->tracker);
+}
+
+/* A WAL commit with no shared-memory lock under a shared lock on the file:
+ * a VFS above us implements the WAL's shared memory, and hides its write
+ * lock, without which a commit's state cannot be read safely. */
+static void shm_out_of_sight(struct vn_db *db)
+{
+	db->shm_above = 1;
+	not_replicated(db, "its WAL's shared memory is handled by another VFS "
+	    "layered above verneuil, which hides the WAL's write lock (open it "
+	    "with vfs=verneuil directly, or with locking_mode=EXCLUSIVE)");
+}
+
+/*
+ * SQLITE_FCNTL_COMMIT_PHASETWO: SQLite committed a transaction.  A rollback
+ * transaction (it wrote the file) is snapshotted at its unlock, unless it
+ * switched the file to WAL.  A WAL commit under the exclusive lock
+ * (locking_mode=EXCLUSIVE: no shm locks) is snapshotted here, the WAL read
+ * to its last commit frame; one under the WAL write lock was at its release.
+ */
+static void commit_phase_two(sqlite3_file *f, struct vn_db *db)
+{
+	struct vn_wal_commit c = { .have_start = 0 };
+
+	if (db->tracker.version_written) {
+		if (!db->wal && header_says_wal(f))
+			into_wal(f, db);
+		return;
+	}
+	if (db->lock < SQLITE_LOCK_EXCLUSIVE) {
+		if (db->shm0 == NULL && !db->shm_above && header_says_wal(f))
+			shm_out_of_sight(db);
+		return;
+	}
+	if (!header_says_wal(f)) {
+		if (db->wal) { /* it left WAL: its writes were not tracked */
+			db->wal = 0;
+			db->tracker.force_full = 1;
+		}
+		return;
+	}
+	db->wal = 1;
+	c.have_start = db->excl_trusted && db->last_ok;
+	c.start = db->last;
+	wal_commit(f, db, &c);
+	db->excl_trusted = db->last_ok;
+}
+
 static int vn_file_control(sqlite3_file *f, int op, void *arg)
 {
+	struct vn_db *db = DB(f);
+
 	if (op == SQLITE_FCNTL_PRAGMA)
 		return pragma(f, (char **)arg);
+	if (op == VERNEUIL_FCNTL_WAL_UNREPLICATED) {
+		*(int *)arg = db != NULL && (db->shm_above || db->split);
+		return SQLITE_OK;
+	}
+	if (op == SQLITE_FCNTL_COMMIT_PHASETWO && db != NULL)
+		commit_phase_two(f, db);
 	return REAL(f)->pMethods->xFileControl(REAL(f), op, arg);
 }
 
@@ -348,17 +556,36 @@ static int vn_shm_map(sqlite3_file *f, int pg, int pgsz, int extend,
     void volatile **pp)
 {
 	struct vn_db *db = DB(f);
+	int rc = REAL(f)->pMethods->xShmMap(REAL(f), pg, pgsz, extend, pp);
 
-	if (db != NULL && !db->wal) {
+	if (db != NULL) {
 		db->wal = 1;
-		log_wal_once(db);
+		if (rc == SQLITE_OK && pg == 0 && *pp != NULL)
+			db->shm0 = *pp;
 	}
-	return REAL(f)->pMethods->xShmMap(REAL(f), pg, pgsz, extend, pp);
+	return rc;
 }
+
+/* Whether a shm lock range holds slot 0, SQLite's WAL write lock. */
+#define HOLDS_WRITE_LOCK(offset, n) ((offset) <= 0 && (offset) + (n) > 0)
 
 static int vn_shm_lock(sqlite3_file *f, int offset, int n, int flags)
 {
-	return REAL(f)->pMethods->xShmLock(REAL(f), offset, n, flags);
+	struct vn_db *db = DB(f);
+	int rc;
+
+	if (db != NULL && db->wal_hold && HOLDS_WRITE_LOCK(offset, n) &&
+	    flags == (SQLITE_SHM_UNLOCK | SQLITE_SHM_EXCLUSIVE))
+		wal_unlocking(f, db);
+	rc = REAL(f)->pMethods->xShmLock(REAL(f), offset, n, flags);
+	if (db != NULL && rc == SQLITE_OK && HOLDS_WRITE_LOCK(offset, n) &&
+	    flags == (SQLITE_SHM_LOCK | SQLITE_SHM_EXCLUSIVE)) {
+		db->wal_hold = 1;
+		db->excl_trusted = 0;
+		db->hold_start_ok =
+		    vn_walindex_read(db->shm0, &db->hold_start) == 0;
+	}
+	return rc;
 }
 
 static void vn_shm_barrier(sqlite3_file *f)
@@ -366,13 +593,42 @@ static void vn_shm_barrier(sqlite3_file *f)
 	REAL(f)->pMethods->xShmBarrier(REAL(f));
 }
 
+/*
+ * The WAL's last connection copied every frame into the file (a complete
+ * checkpoint under the exclusive lock) and is about to delete the WAL: the
+ * file is now the database, whole (SQLite may have left it longer than the
+ * last commit's pages: SQLITE_FCNTL_CHUNK_SIZE).  Snapshotted as the file
+ * with no WAL (recorded as the file, so the next session's first commit is
+ * incremental): from the staged snapshot when that is the state the
+ * wal-index names and the WAL still holds those frames (what another
+ * program wrote into them since went into the file too), else from a full
+ * scan.
+ */
+static void wal_checkpointed(sqlite3_file *f, struct vn_db *db)
+{
+	struct vn_wal_commit c = { .have_end = 1 }; /* no WAL: the file */
+
+	if (db->split || vn_walindex_read(db->shm0, &c.start) != 0)
+		return;
+	c.have_start = vn_tracker_wal_intact(&db->tracker, &c.start);
+	wal_commit(f, db, &c);
+}
+
 static int vn_shm_unmap(sqlite3_file *f, int delete_flag)
 {
 	struct vn_db *db = DB(f);
 
-	if (db != NULL && db->wal) {
-		/* Back to a rollback journal: checkpoints were not tracked. */
+	if (db != NULL) {
+		/* SQLite unmaps to delete the WAL after a complete checkpoint
+		 * (under an exclusive lock on the file), or to close. */
+		if (delete_flag)
+			wal_checkpointed(f, db);
+		/* Maybe back to a rollback journal, whose first commit then
+		 * rebuilds the snapshot (its writes were not tracked). */
 		db->wal = 0;
+		db->shm0 = NULL;
+		db->wal_hold = 0;
+		db->last_ok = 0;
 		db->tracker.force_full = 1;
 	}
 	return REAL(f)->pMethods->xShmUnmap(REAL(f), delete_flag);
@@ -431,7 +687,7 @@ static struct vn_db *new_db(struct vn_config *cfg, const char *name,
 		sqlite3_free(db);
 		return NULL;
 	}
-	rc = vn_tracker_init(&db->tracker, &cfg->keys, db->canon, spool);
+	rc = vn_tracker_init(&db->tracker, &cfg->keys, db->canon, name, spool);
 	if (rc != 0) {
 		vn_warn("verneuil: %s: cannot locate the spool directory under "
 		    "%s: %s; NOT replicated", db->canon, spool, strerror(rc));

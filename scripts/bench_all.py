@@ -263,7 +263,7 @@ class Bench:
         rng = random.Random(42)
         out = {"db_bytes": os.path.getsize(plain), "transaction": "one-row UPDATE", "sync": {}}
         for sync, rounds in zip(("FULL", "OFF"), self.cfg["writer_rounds"]):
-            times, stats = bench_writer.commit_latency(plain, vn, sync, rounds, 1, rng)
+            times, stats = bench_writer.commit_latency(plain, vn, "DELETE", sync, rounds, 1, rng)
             row = {"n": len(times["unix"])}
             for name, xs in times.items():
                 row["%s_median_ms" % name] = round(statistics.median(xs) * 1e3, 4)

@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
-"""Benchmark of the verneuil writer VFS (docs/WRITER.md has the figures).
+"""Benchmark of the verneuil writer VFS (docs/WRITER.md and
+docs/BENCHMARKS.md have the figures).
 
 1. Commit latency of one-row transactions on a 100 MB database, through
    `verneuil` and through the plain unix VFS, in the same run (interleaved
-   rounds), at synchronous=FULL and OFF: median, p99, and the ratio.
+   rounds): with a rollback journal at synchronous=FULL, NORMAL and OFF, and
+   in WAL mode at FULL and NORMAL; median, p99, and the ratio; then each WAL
+   ratio beside the rollback journal's at the same setting.
 2. Time to snapshot a 1 GB database from scratch (full scan, staging every
    chunk, publishing `ready`): seconds and MB/s.
 
-Usage: .venv/bin/python scripts/bench_writer.py [--dir DIR] [--small]
+Usage: .venv/bin/python scripts/bench_writer.py [--dir DIR] [--spool DIR]
+       [--small] [--latency-only]
 """
 from __future__ import annotations
 
@@ -23,6 +27,10 @@ import time
 import writer_vfs
 
 ROW_BYTES = 1000
+# (journal mode, synchronous, transactions per VFS): enough for a stable
+# median at each setting; fast settings get more, since they cost less.
+LATENCY_RUNS = (("DELETE", "FULL", 600), ("DELETE", "NORMAL", 600), ("DELETE", "OFF", 3000),
+                ("WAL", "FULL", 1500), ("WAL", "NORMAL", 3000))
 
 
 def make_db(path: str, megabytes: int, row_bytes: int) -> None:
@@ -43,7 +51,7 @@ def percentile(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def commit_latency(plain_db, vn_db, sync, rounds, per_round, rng):
+def commit_latency(plain_db, vn_db, journal, sync, rounds, per_round, rng):
     conns = {
         "unix": sqlite3.connect(plain_db, isolation_level=None),
         "verneuil": writer_vfs.connect(vn_db, isolation_level=None),
@@ -51,6 +59,7 @@ def commit_latency(plain_db, vn_db, sync, rounds, per_round, rng):
     rows = conns["unix"].execute("SELECT max(id) FROM t").fetchone()[0]
     times = {k: [] for k in conns}
     for c in conns.values():
+        assert c.execute("PRAGMA journal_mode=%s" % journal).fetchone()[0] == journal.lower()
         c.execute("PRAGMA synchronous=%s" % sync)
         c.execute("UPDATE t SET v = v WHERE id = 1")  # warm up (first snapshot)
     names = list(conns)
@@ -73,12 +82,36 @@ def commit_latency(plain_db, vn_db, sync, rounds, per_round, rng):
     return times, stats
 
 
+def latency_table(plain_db, vn_db, size, rng):
+    """The commit latencies of LATENCY_RUNS, then each WAL ratio beside the
+    rollback journal's at the same synchronous setting."""
+    print("commit latency, one-row UPDATE transactions, %.0f MB database" % (size / 1e6))
+    print("%-6s %-6s %-9s %10s %10s %8s" % ("journal", "sync", "vfs", "median ms", "p99 ms", "n"))
+    ratios = {}
+    for journal, sync, rounds in LATENCY_RUNS:
+        times, stats = commit_latency(plain_db, vn_db, journal, sync, rounds, 1, rng)
+        med = {}
+        for name, xs in times.items():
+            med[name] = statistics.median(xs)
+            print("%-6s %-6s %-9s %10.3f %10.3f %8d" % (journal, sync, name, med[name] * 1e3,
+                                                        percentile(xs, 0.99) * 1e3, len(xs)))
+        ratios[journal, sync] = med["verneuil"] / med["unix"]
+        print("%-6s %-6s ratio verneuil/unix (median): %.2f   [%s]" % (
+            journal, sync, ratios[journal, sync],
+            " ".join("%s=%d" % kv for kv in stats.items() if kv[0] in
+                     ("full", "incremental", "unchanged", "failed", "gc", "wal_snapshots"))))
+    for sync in ("FULL", "NORMAL"):
+        print("%-6s WAL ratio %.2f, rollback journal ratio %.2f" % (
+            sync, ratios["WAL", sync], ratios["DELETE", sync]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir in /tmp)")
     ap.add_argument("--small", action="store_true", help="10 MB / 100 MB instead of 100 MB / 1 GB")
     ap.add_argument("--spool", default=None,
                     help="spool root (default: inside the work dir, on the databases' file system)")
+    ap.add_argument("--latency-only", action="store_true", help="skip the snapshot from scratch")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="bench_writer.", dir=args.dir)
     small_mb, big_mb = (10, 100) if args.small else (100, 1024)
@@ -94,23 +127,15 @@ def main():
         make_db(plain_db, small_mb, ROW_BYTES)
         shutil.copyfile(plain_db, vn_db)
         size = os.path.getsize(plain_db)
-        print("commit latency, one-row UPDATE transactions, %.0f MB database" % (size / 1e6))
-        print("%-5s %-9s %10s %10s %8s" % ("sync", "vfs", "median ms", "p99 ms", "n"))
-        for sync, rounds, per_round in (("FULL", 600, 1), ("OFF", 3000, 1)):
-            times, stats = commit_latency(plain_db, vn_db, sync, rounds, per_round, rng)
-            med = {}
-            for name, xs in times.items():
-                med[name] = statistics.median(xs)
-                print("%-5s %-9s %10.3f %10.3f %8d" % (sync, name, med[name] * 1e3,
-                                                      percentile(xs, 0.99) * 1e3, len(xs)))
-            print("%-5s ratio verneuil/unix (median): %.2f   [%s]" % (
-                sync, med["verneuil"] / med["unix"],
-                " ".join("%s=%d" % kv for kv in stats.items() if kv[0] in
-                         ("full", "incremental", "unchanged", "failed", "gc"))))
-        os.unlink(plain_db)
-        os.unlink(vn_db)
+        latency_table(plain_db, vn_db, size, rng)
+        for path in (plain_db, vn_db):
+            for suffix in ("", "-wal", "-shm"):
+                if os.path.exists(path + suffix):
+                    os.unlink(path + suffix)
         shutil.rmtree(spool)
         spool = writer_vfs.register(spool_root)
+        if args.latency_only:
+            return
 
         big = os.path.join(work, "big.db")
         make_db(big, big_mb, 1 << 20 if not args.small else 100_000)

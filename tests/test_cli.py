@@ -317,12 +317,13 @@ def test_lag_sees_writes_that_were_not_snapshotted(replicated):
 
 
 @pytest.mark.skipif(not vfs_available(), reason="writer_vfs is not built")
-def test_lag_of_a_wal_database_never_snapshotted(tmp_path):
-    """A database in WAL mode from its first commit has a spool directory and
-    no snapshot: lag says it was never snapshotted (never "in sync"), with
-    or without a store, and exits 3."""
+def test_lag_of_a_database_in_wal_from_its_first_commit(tmp_path):
+    """A database in WAL mode from its first commit is snapshotted at that
+    commit (its last commits still in the WAL): lag says WAL mode, pending
+    without a store, and in sync (exit 0) once flushed."""
     import writer_vfs
     spool = str(tmp_path / "spool")
+    store = "file://%s/store" % tmp_path
     writer_vfs.register(spool)
     writer_vfs.set_warn_stderr(False)
     con = writer_vfs.connect(str(tmp_path / "w.db"))
@@ -330,15 +331,43 @@ def test_lag_of_a_wal_database_never_snapshotted(tmp_path):
         con.execute("PRAGMA journal_mode=WAL")
         con.execute("CREATE TABLE t(x)")
         con.commit()
+        (db,) = json.loads(run(["lag", "--spool", spool, "--no-store", "--json"]).stdout)
+        assert db["snapshotted"] is not False and db["wal"] is True and db["source_changed"] is False, db
+        text = run(["lag", "--spool", spool, "--no-store"]).stdout.decode()
+        assert "[WAL mode]" in text and "never snapshotted" not in text and "NOT" not in text, text
+        assert run(["flush", "--store", store, "--spool", spool]).returncode == 0
+        proc = run(["lag", "--spool", spool, "--store", store])
+        text = proc.stdout.decode()
+        assert proc.returncode == 0 and "in sync [WAL mode]" in text, text
     finally:
         con.close()
+
+
+@pytest.mark.skipif(not vfs_available(), reason="writer_vfs is not built")
+def test_lag_of_a_database_never_snapshotted(tmp_path):
+    """A spool directory with no snapshot in it (as a writer whose snapshots
+    were all abandoned leaves it): lag says never snapshotted (never "in
+    sync"), with or without a store, and exits 3."""
+    import shutil
+    import writer_vfs
+    spool = str(tmp_path / "spool")
+    writer_vfs.register(spool)
+    con = writer_vfs.connect(str(tmp_path / "w.db"))
+    con.execute("CREATE TABLE t(x)")
+    con.commit()
+    con.close()
+    (dbdir,) = [os.path.join(d, sub) for d, subs, _ in os.walk(spool) for sub in subs
+                if os.path.isdir(os.path.join(d, sub, "staging"))]
+    shutil.rmtree(os.path.join(dbdir, "ready"))
+    for name in os.listdir(os.path.join(dbdir, "staging", "meta")):
+        os.unlink(os.path.join(dbdir, "staging", "meta", name))
     for where in (["--store", "file://%s/store" % tmp_path], ["--no-store"]):
         proc = run(["lag", "--spool", spool] + where)
         text = proc.stdout.decode()
         assert proc.returncode == 3, (where, text)
-        assert "WAL: NOT replicated" in text and "never snapshotted" in text and "in sync" not in text, text
+        assert "never snapshotted" in text and "in sync" not in text, text
         (db,) = json.loads(run(["lag", "--spool", spool, "--json"] + where).stdout)
-        assert db["snapshotted"] is False and db["wal"] is True and db["in_sync"] in (False, None)
+        assert db["snapshotted"] is False and db["in_sync"] in (False, None), db
 
 
 def test_flush_timeout_stops_uploads_midway(tmp_path):
@@ -444,18 +473,24 @@ def test_sync_forces_a_snapshot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     # Same database (the no-op write bumps only the header's change counter).
     assert proc.stdout == db.read_bytes()
-    # A WAL database is not replicated: sync says so instead of pretending.
+    # A WAL database too, its last commits still in the WAL (another
+    # connection keeps it open): the replica is its committed state, with
+    # the header of a rollback-journal database.
     wal = tmp_path / "wal.db"
-    conn = sqlite3.connect(str(wal))
+    conn = sqlite3.connect(str(wal), isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("CREATE TABLE t(x)")
-    conn.commit()
+    conn.execute("INSERT INTO t VALUES (randomblob(70000))")
+    assert os.path.getsize(str(wal) + "-wal") > 0
+    proc = run(["sync", "--store", url, "--spool", str(spool), str(wal)])
+    assert proc.returncode == 0, proc.stderr
+    proc = run(["restore", "--store", url, "-s", str(wal), "-o", str(tmp_path / "back.db")])
+    assert proc.returncode == 0, proc.stderr
+    back = sqlite3.connect(str(tmp_path / "back.db"))
+    assert back.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    assert back.execute("SELECT length(x) FROM t").fetchall() == [(70000,)]
+    back.close()
     conn.close()
-    assert_one_line_error(run(["sync", "--store", url, "--spool", str(spool), str(wal)]),
-                          "no snapshot", "WAL database", "-v")
-    # The VFS says so on stderr too.
-    proc = run(["sync", "-v", "--store", url, "--spool", str(spool), str(wal)])
-    assert proc.returncode == 1 and b"uses journal_mode=WAL: it is NOT replicated" in proc.stderr, proc.stderr
 
 
 # -- bad inputs ------------------------------------------------------------------------
@@ -649,15 +684,22 @@ def test_query_needs_paths_and_sql():
     assert "needs databases and SQL" in err and "--sql" in err and "Traceback" not in err, err
 
 
-def test_lag_says_a_wal_database_is_not_replicated(replicated):
+def test_lag_follows_a_wal_database(replicated):
+    """A database switched to WAL stays replicated: lag says WAL mode, and
+    in sync once flushed, its last commit still in the WAL."""
+    import writer_vfs
+
     w, spool, url = replicated
-    other = sqlite3.connect(w.path)
-    assert other.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
-    other.close()
-    (db,) = json.loads(run(["lag", "--store", url, "--spool", spool, "--json"]).stdout)
-    assert db["wal"] is True
+    writer_vfs.register(spool)
+    conn = writer_vfs.connect(w.path, isolation_level=None)
+    assert conn.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
+    conn.execute("INSERT INTO big VALUES (randomblob(1000))")
     text = run(["lag", "--store", url, "--spool", spool]).stdout.decode()
-    assert "WAL: NOT replicated" in text and "in sync" not in text.split("last snapshot")[0], text
+    assert "[WAL mode]" in text and "in sync" not in text and "source changed" not in text, text
+    assert run(["flush", "--store", url, "--spool", spool]).returncode == 0
+    (db,) = json.loads(run(["lag", "--store", url, "--spool", spool, "--json"]).stdout)
+    assert db["wal"] is True and db["in_sync"] is True and db["source_changed"] is False, db
+    conn.close()
 
 
 def test_sqlite_extension_path_loads_in_the_shell(tmp_path):

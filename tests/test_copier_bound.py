@@ -127,7 +127,10 @@ def test_a_database_past_the_copier_bound_stops_loudly_and_boundedly(tmp_path, c
         store.close()
 
 
-def test_a_database_past_the_writers_bound_is_not_snapshotted(tmp_path, capfd):
+@pytest.mark.parametrize("journal", ["delete", "wal"])
+def test_a_database_past_the_writers_bound_is_not_snapshotted(tmp_path, capfd, journal):
+    """In WAL mode the bound holds the committed state (file + WAL), which
+    lag reads from the WAL's last page 1 too."""
     import writer_vfs
     spool, store_dir = str(tmp_path / "spool"), str(tmp_path / "store")
     os.mkdir(spool)
@@ -136,6 +139,9 @@ def test_a_database_past_the_writers_bound_is_not_snapshotted(tmp_path, capfd):
     assert old == writer_vfs.MAX_DB_SIZE
     w = Writer("vfs", spool, str(tmp_path / "app.db"), payload=1000)
     try:
+        if journal == "wal":
+            assert w.conn.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
+            w.execute("PRAGMA wal_autocheckpoint=0")  # the big commit stays in the WAL
         w.bump()
         store = open_store("file://" + store_dir)
         copier = Copier(spool, store, rate=None, max_db_size=BOUND)

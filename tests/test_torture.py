@@ -1,16 +1,20 @@
 """Crash torture: writers (the C VFS, three processes) and copiers
 (`verneuilctl copier`, two processes) killed with SIGKILL at random moments
-for about 40 seconds, replicating into a versioned bucket of moto's server;
-then again, for half as long, into a store of the packed layout (chunks in
-packs, each manifest with their places: docs/FORMAT.md, "Packed layout").
+replicating into a versioned bucket of moto's server: into a store of the
+default layout for about 40 seconds, 30 with a rollback journal and 10 in
+WAL mode (the WAL writers also checkpoint, in every mode, and autocheckpoint
+often; VERNEUIL_TORTURE_WAL_SECONDS sets a longer WAL run), and for 20 s
+with a rollback journal into a store of the packed layout (chunks in packs,
+each manifest with their places: docs/FORMAT.md, "Packed layout").
 
 What "committed state" means here: every writer transaction starts with
-`BEGIN IMMEDIATE` (RESERVED lock: nobody else can commit, and SQLite has
-rolled back any hot journal), reads the counter row `n` and the sha256 of
-the whole database file, appends "n sha" to a shared log (O_APPEND), and only
-then changes anything and commits n+1.  So every committed state that any
-transaction started from is in the log; the last one is logged by the test
-itself at the end.
+`BEGIN IMMEDIATE` (the write lock: nobody else can commit, and SQLite has
+rolled back any hot journal or recovered the WAL), reads the counter row `n`
+and the sha256 of the database's committed state (the file; in WAL mode the
+file with the WAL's committed frames, support/walimage.py), appends "n sha"
+to a shared log (O_APPEND), and only then changes anything and commits n+1.
+So every committed state that any transaction started from is in the log;
+the last one is logged by the test itself at the end.
 
 Checked:
 - whenever all copiers are dead (a random third of the rounds), the newest
@@ -38,6 +42,7 @@ import time
 import pytest
 
 from support.copier_support import opened_image, vfs_available
+from support.walimage import CommittedImage
 from test_faults import BucketView, list_manifest_versions
 from verneuil_fuse import format as fmt
 
@@ -45,9 +50,14 @@ pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.skipif(not vfs_available(), reason="writer_vfs is not built")]
 
 TORTURE_SECONDS = float(os.environ.get("VERNEUIL_TORTURE_SECONDS", "40"))
-# The packed layout's run: the same protocol with another upload step, so
-# half as long keeps CI's time down (VERNEUIL_TORTURE_SECONDS sets both).
-LAYOUT_SHARE = {"chunks": 1.0, "packed": 0.5}
+# Each run's share of TORTURE_SECONDS.  The default layout's copier is
+# tortured in both journal modes (the copier does not know the mode), 40 s
+# in all: 30 s with a rollback journal, 10 s in WAL mode, which keeps what
+# the WAL run adds out of CI's 15 minutes.  The packed layout's run, the
+# same protocol with another upload step, gets half.
+RUN_SHARE = {("delete", "chunks"): 0.75, ("delete", "packed"): 0.5, ("wal", "chunks"): 0.25}
+# The long WAL run (e.g. VERNEUIL_TORTURE_WAL_SECONDS=300), outside CI.
+WAL_TORTURE_SECONDS = os.environ.get("VERNEUIL_TORTURE_WAL_SECONDS")
 # The schedule of kills and checks; another seed gives another interleaving
 # (to chase a failure: VERNEUIL_TORTURE_SEED=n, many runs).
 TORTURE_SEED = int(os.environ.get("VERNEUIL_TORTURE_SEED", "20240607"))
@@ -57,26 +67,31 @@ COPIER_VERBOSITY = os.environ.get("VERNEUIL_TORTURE_COPIER_LOG", "-vv")
 WRITERS = 3
 COPIERS = 2
 CTL = [sys.executable, "-m", "verneuil_fuse.cli"]
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 WRITER = r"""
 import hashlib, os, random, sys, time
 import writer_vfs
-spool, db, log_path, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+spool, db, log_path, seed, tests = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+sys.path.insert(0, tests)
+from support.walimage import CommittedImage
 rng = random.Random(seed)
 writer_vfs.register(spool)
 writer_vfs.set_log_stderr(True)  # the VFS's warnings go to writers.err
 writer_vfs.set_gc_weight(rng.choice([0.0, 4.0, 1e9]))
+# Opened before connecting and never closed: closing any descriptor of the
+# database would drop every POSIX lock this process holds on it (SQLite's
+# included).
+image = CommittedImage(db)
 conn = writer_vfs.connect(db, isolation_level=None, timeout=60)
 conn.execute("PRAGMA synchronous=" + rng.choice(["OFF", "NORMAL", "FULL"]))
+conn.execute("PRAGMA wal_autocheckpoint=" + rng.choice(["20", "100", "1000"]))
 log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-# Opened once and never closed: closing any descriptor of the database would
-# drop every POSIX lock this process holds on it (SQLite's included).
-dbfd = os.open(db, os.O_RDONLY)
 print("ready", flush=True)
 while True:
     conn.execute("BEGIN IMMEDIATE")
     (n,) = conn.execute("SELECT n FROM counter WHERE id = 1").fetchone()
-    digest = hashlib.sha256(os.pread(dbfd, os.fstat(dbfd).st_size, 0)).hexdigest()
+    digest = hashlib.sha256(image.read()).hexdigest()
     os.write(log, b"%d %s\n" % (n, digest.encode()))
     n += 1
     conn.execute("UPDATE counter SET n = ? WHERE id = 1", (n,))
@@ -93,6 +108,8 @@ while True:
         if rng.random() < 0.5:
             conn.execute("INSERT INTO big VALUES (?)", (rng.randbytes(rng.randint(100000, 300000)),))
     conn.execute("COMMIT")
+    if rng.random() < 0.05:  # no-op in rollback mode
+        conn.execute("PRAGMA wal_checkpoint(%s)" % rng.choice(["PASSIVE", "FULL", "RESTART", "TRUNCATE"]))
     time.sleep(rng.uniform(0, 0.02))
 """
 
@@ -123,7 +140,7 @@ class Procs:
 
     def spawn_writer(self) -> subprocess.Popen:
         p = subprocess.Popen([sys.executable, "-c", WRITER, self.spool, self.db, self.log_path,
-                              str(self.rng.randrange(2 ** 32))],
+                              str(self.rng.randrange(2 ** 32)), TESTS],
                              stdout=subprocess.PIPE, stderr=open(os.path.join(self.tmp, "writers.err"), "ab"))
         return p
 
@@ -184,15 +201,17 @@ def _integrity(data: bytes, tmp: str) -> str:
         return con.execute("PRAGMA integrity_check").fetchone()[0]
 
 
-@pytest.mark.parametrize("layout", ["chunks", "packed"])
-def test_sigkill_writers_and_copiers(s3_server, tmp_path, layout):
+@pytest.mark.parametrize("journal,layout", list(RUN_SHARE))
+def test_sigkill_writers_and_copiers(s3_server, tmp_path, journal, layout):
     import writer_vfs
 
     if not s3_server.running:
         s3_server.start()
     tmp = str(tmp_path)
     store = s3_server.make_store(versioned=True, layout=layout)
-    seconds = TORTURE_SECONDS * LAYOUT_SHARE[layout]
+    seconds = TORTURE_SECONDS * RUN_SHARE[journal, layout]
+    if journal == "wal" and WAL_TORTURE_SECONDS:
+        seconds = float(WAL_TORTURE_SECONDS)
     chunk_bucket = store.chunks.bucket
     manifest_bucket = store.manifests.bucket
     admin = s3_server.admin
@@ -201,14 +220,19 @@ def test_sigkill_writers_and_copiers(s3_server, tmp_path, layout):
     log_path = os.path.join(tmp, "states.log")
     writer_vfs.register(spool)
     conn = writer_vfs.connect(db, isolation_level=None)
-    conn.executescript(
-        "PRAGMA page_size=4096;"
-        "BEGIN;"
-        "CREATE TABLE counter(id INTEGER PRIMARY KEY, n INTEGER);"
-        "CREATE TABLE log(n INTEGER, pad BLOB);"
-        "CREATE TABLE big(b BLOB);"
-        "INSERT INTO counter VALUES (1, 0);"
-        "COMMIT;")
+    conn.execute("PRAGMA page_size=4096")
+    setup = CommittedImage(db)
+    with open(log_path, "ab") as log:
+        if journal == "wal":  # a commit of its own, an empty database in WAL
+            conn.execute("PRAGMA journal_mode=WAL")
+            log.write(b"0 %s\n" % hashlib.sha256(setup.read()).hexdigest().encode())
+        conn.executescript(
+            "BEGIN;"
+            "CREATE TABLE counter(id INTEGER PRIMARY KEY, n INTEGER);"
+            "CREATE TABLE log(n INTEGER, pad BLOB);"
+            "CREATE TABLE big(b BLOB);"
+            "INSERT INTO counter VALUES (1, 0);"
+            "COMMIT;")
     conn.close()
     name = fmt.manifest_name(db)
     view = BucketView(admin, chunk_bucket)
@@ -276,20 +300,19 @@ def test_sigkill_writers_and_copiers(s3_server, tmp_path, layout):
     # Settle: one more commit through the VFS (a writer killed between its
     # commit and its snapshot left the newest state unspooled: the next
     # transaction notices), log it, then a copier to completion.
-    dbfd = os.open(db, os.O_RDONLY)  # before connecting: see WRITER
+    image = CommittedImage(db)  # before connecting: see WRITER
     conn = writer_vfs.connect(db, isolation_level=None, timeout=60)
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     with open(log_path, "ab") as log:
         for final in (False, True):
             conn.execute("BEGIN IMMEDIATE")
             (n,) = conn.execute("SELECT n FROM counter WHERE id = 1").fetchone()
-            digest = hashlib.sha256(os.pread(dbfd, os.fstat(dbfd).st_size, 0)).hexdigest()
+            digest = hashlib.sha256(image.read()).hexdigest()
             log.write(b"%d %s\n" % (n, digest.encode()))
             if not final:
                 conn.execute("UPDATE counter SET n = ? WHERE id = 1", (n + 1,))
             conn.execute("COMMIT")
     conn.close()
-    os.close(dbfd)
     flush = subprocess.run(CTL + ["flush", "--store", store.url, "--spool", spool, "--rate", "0",
                                   "--timeout", "60"], capture_output=True, text=True, timeout=120)
     assert flush.returncode == 0, flush.stderr
@@ -309,8 +332,7 @@ def test_sigkill_writers_and_copiers(s3_server, tmp_path, layout):
     assert counters[-1] == final_n
     blob = admin.get_object(Bucket=manifest_bucket, Key=name)["Body"].read()
     newest = view.restore(fmt.decode_and_validate(blob, fetch_chunk=view.chunk))
-    with open(db, "rb") as f:
-        assert newest == f.read()
+    assert newest == image.read()
     assert _integrity(newest, tmp) == "ok"
     for vid in rng.sample(versions, min(5, len(versions))):  # a few older ones too
         blob = admin.get_object(Bucket=manifest_bucket, Key=name, VersionId=vid)["Body"].read()

@@ -76,10 +76,9 @@ PRAGMA verneuil_spool_dir;
     conn.close()
 
 
-@pytest.mark.parametrize("warn", [None, False])
-def test_shell_make_default_and_wal_warning(tmp_path, warn):
-    """A database switched to WAL stops replicating, and the shell's stderr
-    says so once (no `.log` needed), unless "warn_stderr": false."""
+def test_shell_make_default_replicates_wal(tmp_path):
+    """make_default: a plain .open goes through verneuil, and stays
+    replicated once switched to WAL (nothing said on stderr)."""
     spool = str(tmp_path / "spool")
     db = str(tmp_path / "wal.db")
     script = f"""
@@ -89,22 +88,19 @@ CREATE TABLE t(v);
 INSERT INTO t VALUES (1);
 PRAGMA journal_mode=WAL;
 INSERT INTO t VALUES (2);
-INSERT INTO t VALUES (3);
+INSERT INTO t VALUES (randomblob(100000));
 PRAGMA verneuil_stats;
 """
-    config = {"replication_spooling_dir": spool, "make_default": True}
-    if warn is not None:
-        config["warn_stderr"] = warn
-    out = run_shell(script, config, tmp_path)
-    # make_default: a plain .open went through verneuil and was replicated...
-    assert "wal=1" in out.stdout
+    out = run_shell(script, {"replication_spooling_dir": spool, "make_default": True}, tmp_path)
+    assert "wal=1" in out.stdout and "failed=0" in out.stdout, out.stdout
+    assert out.stderr == ""
     db_dir = spoolutil.db_spool_dir(spool, db)
     assert spoolutil.check_published(db_dir) >= 1
-    # ...until WAL, announced once on stderr (or not at all when silenced).
-    want = 0 if warn is False else 1
-    assert out.stderr.count("uses journal_mode=WAL: it is NOT replicated") == want, out.stderr
-    if want:
-        assert os.path.realpath(db) in out.stderr
+    # The shell closed the database: the WAL is gone, the file is the state.
+    assert not os.path.exists(db + "-wal")
+    data = bytearray(open(db, "rb").read())
+    data[18:20] = b"\x01\x01"
+    assert spoolutil.rebuild_from_staging(db_dir, db_path=db) == bytes(data)
 
 
 def test_shell_without_config_does_not_replicate(tmp_path):
@@ -128,9 +124,10 @@ PRAGMA verneuil_stats;
     conn.close()
 
 
-def test_a_database_created_in_wal_is_listed_by_lag(tmp_path):
-    """A database that is WAL from its first page never has a snapshot: it
-    still shows in `verneuilctl lag`, as not replicated."""
+def test_a_database_created_in_wal_is_replicated_and_listed_by_lag(tmp_path):
+    """A database that is WAL from its first page is replicated like any
+    other, and `verneuilctl lag` lists it, in WAL mode, its snapshot that of
+    the source."""
     import sys
 
     spool = str(tmp_path / "spool")
@@ -143,9 +140,9 @@ CREATE TABLE t(v);
 INSERT INTO t VALUES (1);
 """
     out = run_shell(script, {"replication_spooling_dir": spool}, tmp_path)
-    assert "it is NOT replicated" in out.stderr, out.stderr
+    assert out.stderr == ""
     lag = subprocess.run([sys.executable, "-m", "verneuil_fuse.cli", "lag", "--spool", spool, "--no-store"],
                          capture_output=True, text=True, timeout=60)
-    assert lag.returncode == 3, lag.stderr  # not replicated: lag's "not OK"
-    assert os.path.realpath(db) in lag.stdout and "WAL: NOT replicated" in lag.stdout, lag.stdout
-    assert "never snapshotted" in lag.stdout and "in sync" not in lag.stdout, lag.stdout
+    assert lag.returncode == 0, lag.stderr
+    assert os.path.realpath(db) in lag.stdout and "[WAL mode]" in lag.stdout, lag.stdout
+    assert "source changed" not in lag.stdout and "never snapshotted" not in lag.stdout, lag.stdout

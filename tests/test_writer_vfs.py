@@ -190,32 +190,6 @@ print(c.execute("SELECT count(*) FROM t").fetchone()[0])
     assert "Traceback" not in out.stderr
 
 
-def test_wal_keeps_working_and_warns_once_on_stderr(tmp_path):
-    """WAL works through the VFS, is not replicated, and stderr says so once
-    by default (Python listens to no sqlite3_log)."""
-    script = r"""
-import sys, writer_vfs
-writer_vfs.register(sys.argv[1])
-c = writer_vfs.connect(sys.argv[2], isolation_level=None)
-c.execute("CREATE TABLE t(v)")
-assert c.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
-for i in range(50):
-    c.execute("INSERT INTO t VALUES (randomblob(5000))")
-c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-assert c.execute("SELECT count(*) FROM t").fetchone()[0] == 50
-print(writer_vfs.stats(c)["wal"])
-"""
-    db = str(tmp_path / "wal.db")
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "spool"), db],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "1"
-    assert out.stderr.count("uses journal_mode=WAL: it is NOT replicated") == 1, out.stderr
-    conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    conn.close()
-
-
 def test_spool_leaves_its_file_system_room_for_sqlite(tmp_path):
     """Database and spool on one small file system (a real 24 MiB tmpfs),
     another program takes all but a little more than the spool's reserve:

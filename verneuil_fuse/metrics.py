@@ -254,7 +254,7 @@ COPIER_SERIES: tuple[Series, ...] = tuple(
            "the copier's last manifest upload"),
         _s("copier.started", "verneuil_copier_start_timestamp_seconds", TIMESTAMP, "when the copier started"),
         _s("spool.wal", "verneuil_spool_wal", GAUGE,
-           "1: the database is in WAL mode, which is not replicated"),
+           "1: the database is in WAL mode (replicated like any other)"),
         _s("spool.staged_chunks", "verneuil_spool_staged_chunks", GAUGE, "staged chunks not uploaded yet"),
         _s("spool.staged_chunk_bytes", "verneuil_spool_staged_chunk_bytes", GAUGE, "bytes of the staged chunks"),
         _s("spool.ready", "verneuil_spool_ready_snapshots", GAUGE, "snapshots ready to ship"),

@@ -149,9 +149,10 @@ def set_log_stderr(on: bool) -> None:
 
 
 def set_warn_stderr(on: bool) -> None:
-    """Print on stderr (on by default) when a database is not replicated (a
-    WAL database), once per database; VERNEUIL_CONFIG's ``"warn_stderr":
-    false`` turns it off too."""
+    """Print on stderr (on by default) when a database is not replicated: a
+    spool that keeps failing its snapshots (at most once a minute), a WAL
+    database whose shared memory another VFS above `verneuil` implements
+    (once); VERNEUIL_CONFIG's ``"warn_stderr": false`` turns it off too."""
     lib.verneuil_vfs_set_warn_stderr(1 if on else 0)
 
 

@@ -42,7 +42,7 @@ SELFCHECK_SUMMARY_RE = re.compile(
     r"^VERNEUIL-SELFCHECK SUMMARY pid=\d+ (.*)$", re.M)
 SELFCHECK_PROBLEM_RE = re.compile(
     r"^VERNEUIL-SELFCHECK (MISMATCH|ERROR) .*$", re.M)
-SELFCHECK_KEYS = ("checked", "ok", "empty", "wal", "hot", "replaced",
+SELFCHECK_KEYS = ("checked", "ok", "empty", "wal", "busy", "unreadable", "hot", "replaced",
                   "faults", "unreplicated", "mismatch", "error")
 
 

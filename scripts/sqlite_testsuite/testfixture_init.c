@@ -14,19 +14,28 @@
  *   VERNEUIL_TESTFIXTURE_SPOOL   the spool root; default: a new directory
  *                                $TMPDIR/verneuil-testfixture-XXXXXX
  *   VERNEUIL_TESTFIXTURE_GC_WEIGHT  passed to verneuil_vfs_set_gc_weight
- *   VERNEUIL_TESTFIXTURE_LOG_STDERR=1  copy the VFS's log to stderr
+ *   VERNEUIL_TESTFIXTURE_LOG_STDERR=1  copy the VFS's log to stderr (else
+ *                                its warnings stay off stderr, which Tcl's
+ *                                exec of child test processes reads)
  *   VERNEUIL_SELFCHECK=1         check EVERY write transaction: a thin VFS
  *                                "verneuil_selfcheck" over `verneuil` (made
  *                                the default) runs verneuil_selfcheck()
  *                                (csrc/selfcheck.c) after each write
  *                                transaction's snapshot, while still
  *                                holding SHARED, then finishes unlocking.
+ *                                In WAL mode: after every release of the
+ *                                WAL write lock (verneuil snapshots before
+ *                                it), it takes the lock again and checks
+ *                                under it (if another connection got it
+ *                                first, that one checks: "busy"); with
+ *                                locking_mode=EXCLUSIVE, after each
+ *                                SQLITE_FCNTL_COMMIT_PHASETWO.
  *   VERNEUIL_SELFCHECK_LOG       file to which mismatches, and a summary
  *                                line at exit, are appended
  *   VERNEUIL_SELFCHECK_ABORT=1   abort() on the first mismatch
  *
  * The check is skipped (and counted) when there is nothing to compare: an
- * empty file, a WAL database, a hot journal (no snapshot is taken then), a
+ * empty file, a hot journal (no snapshot is taken then), a
  * file renamed or deleted since it was opened, a file verneuil does not
  * replicate (PRAGMA verneuil_spool_dir is empty), and while the test suite
  * injects I/O faults into the unix VFS (SimulateIOError, test_syscall.c).
@@ -54,13 +63,18 @@
 enum {
 	VERNEUIL_SELFCHECK_OK = 0,
 	VERNEUIL_SELFCHECK_EMPTY = 1,
-	VERNEUIL_SELFCHECK_WAL = 2,
+	VERNEUIL_SELFCHECK_UNREADABLE = 2,
 	VERNEUIL_SELFCHECK_HOT = 3,
 	VERNEUIL_SELFCHECK_MISMATCH = 4,
 	VERNEUIL_SELFCHECK_ERROR = 5,
 };
-int verneuil_selfcheck(sqlite3_file *db, const char *spool_root,
-    const char *db_path, char *msg, size_t cap);
+int verneuil_selfcheck_wal(sqlite3_file *db, const volatile void *shm0,
+    const char *spool_root, const char *db_path, char *msg, size_t cap);
+
+/* SQLite's wal-index regions (the first holds its header) and the header's
+ * file format versions (2: WAL). */
+#define CK_SHM_REGION 32768
+#define CK_HEADER_FORMAT_OFFSET 18
 
 int verneuil_testfixture_init(const char *unused);
 
@@ -98,8 +112,8 @@ static struct {
 	sqlite3_vfs *inner;
 	pthread_mutex_t mutex;
 	/* counters (under mutex) */
-	unsigned long long checked, ok, empty, wal, hot, replaced, faults,
-	    unreplicated, mismatch, error;
+	unsigned long long checked, ok, empty, wal, busy, unreadable, hot,
+	    replaced, faults, unreplicated, mismatch, error;
 } ck = { .mutex = PTHREAD_MUTEX_INITIALIZER };
 
 /* ---- reporting ----------------------------------------------------------- */
@@ -125,10 +139,12 @@ static void summary_at_exit(void)
 
 	pthread_mutex_lock(&ck.mutex);
 	snprintf(line, sizeof(line), "VERNEUIL-SELFCHECK SUMMARY pid=%ld "
-	    "checked=%llu ok=%llu empty=%llu wal=%llu hot=%llu replaced=%llu "
-	    "faults=%llu unreplicated=%llu mismatch=%llu error=%llu\n",
-	    (long)getpid(), ck.checked, ck.ok, ck.empty, ck.wal, ck.hot,
-	    ck.replaced, ck.faults, ck.unreplicated, ck.mismatch, ck.error);
+	    "checked=%llu ok=%llu empty=%llu wal=%llu busy=%llu "
+	    "unreadable=%llu hot=%llu replaced=%llu faults=%llu "
+	    "unreplicated=%llu mismatch=%llu error=%llu\n",
+	    (long)getpid(), ck.checked, ck.ok, ck.empty, ck.wal, ck.busy,
+	    ck.unreadable, ck.hot, ck.replaced, ck.faults, ck.unreplicated,
+	    ck.mismatch, ck.error);
 	pthread_mutex_unlock(&ck.mutex);
 	append_log(line);
 }
@@ -139,6 +155,8 @@ struct ck_file {
 	sqlite3_file base;
 	sqlite3_file *real;  /* the verneuil file, right after us */
 	int lock;
+	int wal_hold;        /* holds the WAL write lock */
+	int shm_seen;        /* mapped the WAL's shared memory through us */
 	char *path;          /* malloc'ed; NULL: not checked */
 	dev_t dev;
 	ino_t ino;
@@ -166,6 +184,14 @@ static int is_replicated(sqlite3_file *real)
 }
 
 #define REAL(f) (((struct ck_file *)(f))->real)
+
+static int header_says_wal(struct ck_file *p)
+{
+	unsigned char v[2];
+
+	return p->real->pMethods->xRead(p->real, v, sizeof(v),
+	    CK_HEADER_FORMAT_OFFSET) == SQLITE_OK && (v[0] == 2 || v[1] == 2);
+}
 
 static void record_syscalls(void)
 {
@@ -195,11 +221,14 @@ static int faults_injected(void)
 	return 0;
 }
 
-static void run_check(struct ck_file *p)
+/* shm0: the wal-index's first region when the WAL write lock is held (the
+ * committed state is the one its header names); NULL otherwise. */
+static void run_check(struct ck_file *p, const volatile void *shm0,
+    const char *where)
 {
 	char msg[PATH_MAX + 512], line[2 * PATH_MAX + 600];
 	struct stat st;
-	int r;
+	int r, wal;
 
 	if (!p->replicated) {
 		pthread_mutex_lock(&ck.mutex);
@@ -223,22 +252,25 @@ static void run_check(struct ck_file *p)
 		pthread_mutex_unlock(&ck.mutex);
 		return;
 	}
-	r = verneuil_selfcheck(p->real, ck.spool, p->path, msg, sizeof(msg));
+	wal = shm0 != NULL || header_says_wal(p);
+	r = verneuil_selfcheck_wal(p->real, shm0, ck.spool, p->path, msg,
+	    sizeof(msg));
 	pthread_mutex_lock(&ck.mutex);
 	ck.checked++;
+	ck.wal += (unsigned long long)wal;
 	switch (r) {
 	case VERNEUIL_SELFCHECK_OK: ck.ok++; break;
 	case VERNEUIL_SELFCHECK_EMPTY: ck.empty++; break;
-	case VERNEUIL_SELFCHECK_WAL: ck.wal++; break;
+	case VERNEUIL_SELFCHECK_UNREADABLE: ck.unreadable++; break;
 	case VERNEUIL_SELFCHECK_HOT: ck.hot++; break;
 	case VERNEUIL_SELFCHECK_MISMATCH: ck.mismatch++; break;
 	default: ck.error++; break;
 	}
 	pthread_mutex_unlock(&ck.mutex);
 	if (r == VERNEUIL_SELFCHECK_MISMATCH || r == VERNEUIL_SELFCHECK_ERROR) {
-		snprintf(line, sizeof(line), "VERNEUIL-SELFCHECK %s pid=%ld %s: "
-		    "%s\n", r == VERNEUIL_SELFCHECK_MISMATCH ? "MISMATCH" :
-		    "ERROR", (long)getpid(), p->path, msg);
+		snprintf(line, sizeof(line), "VERNEUIL-SELFCHECK %s pid=%ld %s "
+		    "(%s): %s\n", r == VERNEUIL_SELFCHECK_MISMATCH ? "MISMATCH" :
+		    "ERROR", (long)getpid(), p->path, where, msg);
 		fputs(line, stderr);
 		append_log(line);
 		if (r == VERNEUIL_SELFCHECK_MISMATCH && ck.abort_on_mismatch)
@@ -292,12 +324,61 @@ static int ck_lock(sqlite3_file *f, int level)
 	return rc;
 }
 
+/* Whether verneuil says it does not replicate this file's WAL commits (a
+ * VFS above it hides the WAL's shared memory or spreads the database over
+ * several files): counted as unreplicated. */
+static int wal_unreplicated(struct ck_file *p)
+{
+	int on = 0;
+
+	if (p->real->pMethods->xFileControl(p->real,
+	    VERNEUIL_FCNTL_WAL_UNREPLICATED, &on) != SQLITE_OK || !on)
+		return 0;
+	pthread_mutex_lock(&ck.mutex);
+	ck.unreplicated++;
+	pthread_mutex_unlock(&ck.mutex);
+	return 1;
+}
+
+/* Whether the database's WAL file is gone (deleted at its last close). */
+static int wal_gone(struct ck_file *p)
+{
+	char wal[PATH_MAX + 8];
+	struct stat st;
+
+	snprintf(wal, sizeof(wal), "%s-wal", p->path);
+	return stat(wal, &st) != 0 && errno == ENOENT;
+}
+
+/* A WAL database whose shared memory a VFS above us emulates (the test
+ * suite's testvfs): verneuil cannot see its WAL write lock and says it is
+ * not replicated.  Counted as unreplicated. */
+static int shm_above(struct ck_file *p)
+{
+	if (p->shm_seen)
+		return 0;
+	pthread_mutex_lock(&ck.mutex);
+	ck.unreplicated++;
+	pthread_mutex_unlock(&ck.mutex);
+	return 1;
+}
+
 static int ck_unlock(sqlite3_file *f, int level)
 {
 	struct ck_file *p = (struct ck_file *)f;
 	int rc;
 
 	if (p->path != NULL && p->lock >= SQLITE_LOCK_RESERVED &&
+	    level <= SQLITE_LOCK_SHARED && header_says_wal(p)) {
+		/* A WAL database closed (SQLite checkpointed it under the
+		 * exclusive lock and deleted the WAL): the staged snapshot must
+		 * be the file (verneuil snapshots it in this call if it was
+		 * not).  Checked before the lock goes: under SHARED, other
+		 * connections may already write a new WAL. */
+		if (p->lock >= SQLITE_LOCK_EXCLUSIVE && p->shm_seen &&
+		    wal_gone(p) && !wal_unreplicated(p))
+			run_check(p, NULL, "WAL closed");
+	} else if (p->path != NULL && p->lock >= SQLITE_LOCK_RESERVED &&
 	    level <= SQLITE_LOCK_SHARED) {
 		/* verneuil stages its snapshot in this call... */
 		rc = p->real->pMethods->xUnlock(p->real, SQLITE_LOCK_SHARED);
@@ -305,7 +386,7 @@ static int ck_unlock(sqlite3_file *f, int level)
 			return rc;
 		p->lock = SQLITE_LOCK_SHARED;
 		/* ...and we check it while still holding SHARED. */
-		run_check(p);
+		run_check(p, NULL, "unlock");
 		if (level == SQLITE_LOCK_SHARED)
 			return SQLITE_OK;
 	}
@@ -322,7 +403,20 @@ static int ck_check_reserved_lock(sqlite3_file *f, int *out)
 
 static int ck_file_control(sqlite3_file *f, int op, void *arg)
 {
-	return REAL(f)->pMethods->xFileControl(REAL(f), op, arg);
+	struct ck_file *p = (struct ck_file *)f;
+	int rc = REAL(f)->pMethods->xFileControl(REAL(f), op, arg);
+
+	/* A WAL commit under locking_mode=EXCLUSIVE (verneuil snapshots it in
+	 * this call), or the switch to WAL: checked under the exclusive lock.
+	 * A rollback commit is checked at its unlock. */
+	if (op == SQLITE_FCNTL_COMMIT_PHASETWO && p->path != NULL &&
+	    header_says_wal(p)) {
+		if (p->lock >= SQLITE_LOCK_EXCLUSIVE && !wal_unreplicated(p))
+			run_check(p, NULL, "commit, exclusive lock");
+		else
+			shm_above(p); /* else checked under the WAL write lock */
+	}
+	return rc;
 }
 
 static int ck_sector_size(sqlite3_file *f)
@@ -338,12 +432,47 @@ static int ck_device_characteristics(sqlite3_file *f)
 static int ck_shm_map(sqlite3_file *f, int pg, int pgsz, int extend,
     void volatile **pp)
 {
+	((struct ck_file *)f)->shm_seen = 1;
 	return REAL(f)->pMethods->xShmMap(REAL(f), pg, pgsz, extend, pp);
+}
+
+/* verneuil snapshotted before releasing the WAL write lock: take it
+ * again, so that nobody changes the WAL, and check under it. */
+static void check_after_wal_unlock(struct ck_file *p)
+{
+	sqlite3_file *real = p->real;
+	void volatile *shm0 = NULL;
+
+	if (real->pMethods->xShmLock(real, 0, 1,
+	    SQLITE_SHM_LOCK | SQLITE_SHM_EXCLUSIVE) != SQLITE_OK) {
+		pthread_mutex_lock(&ck.mutex);
+		ck.busy++;
+		pthread_mutex_unlock(&ck.mutex);
+		return;
+	}
+	if (real->pMethods->xShmMap(real, 0, CK_SHM_REGION, 0, &shm0) ==
+	    SQLITE_OK && shm0 != NULL && !wal_unreplicated(p))
+		run_check(p, shm0, "WAL write lock");
+	real->pMethods->xShmLock(real, 0, 1,
+	    SQLITE_SHM_UNLOCK | SQLITE_SHM_EXCLUSIVE);
 }
 
 static int ck_shm_lock(sqlite3_file *f, int offset, int n, int flags)
 {
-	return REAL(f)->pMethods->xShmLock(REAL(f), offset, n, flags);
+	struct ck_file *p = (struct ck_file *)f;
+	int rc = REAL(f)->pMethods->xShmLock(REAL(f), offset, n, flags);
+	int write_lock = offset <= 0 && offset + n > 0;
+
+	if (rc == SQLITE_OK && write_lock &&
+	    flags == (SQLITE_SHM_LOCK | SQLITE_SHM_EXCLUSIVE))
+		p->wal_hold = 1;
+	if (write_lock && p->wal_hold &&
+	    flags == (SQLITE_SHM_UNLOCK | SQLITE_SHM_EXCLUSIVE)) {
+		p->wal_hold = 0;
+		if (rc == SQLITE_OK && p->path != NULL)
+			check_after_wal_unlock(p);
+	}
+	return rc;
 }
 
 static void ck_shm_barrier(sqlite3_file *f)
@@ -488,6 +617,11 @@ static int configure(void)
 		verneuil_vfs_set_gc_weight(strtod(v, NULL));
 	if (env_on("VERNEUIL_TESTFIXTURE_LOG_STDERR"))
 		verneuil_vfs_set_log_stderr(1);
+	else
+		/* Tests that run child processes read their stderr (Tcl's
+		 * exec fails on any output there): verneuil's warnings go to
+		 * sqlite3_log only; the self-check reports what matters. */
+		verneuil_vfs_set_warn_stderr(0);
 	ck.selfcheck = env_on("VERNEUIL_SELFCHECK");
 	ck.abort_on_mismatch = env_on("VERNEUIL_SELFCHECK_ABORT");
 	v = getenv("VERNEUIL_SELFCHECK_LOG");

@@ -9,6 +9,8 @@ bytes, and measure a spool's disk footprint.  Uses verneuil_fuse.format only
 from __future__ import annotations
 
 import os
+import sqlite3
+import subprocess
 from typing import Iterable, Optional
 
 from verneuil_fuse.format import (CHUNK_SIZE, PATH_KEY, ZERO_CHUNK_FPRINT,
@@ -130,6 +132,35 @@ def check_published(db_dir: str, store_chunks: Iterable[str] = ()) -> int:
         rebuild(m, [os.path.join(snap, "chunks")] + store_chunks)
         checked += 1
     return checked
+
+
+def committed_image(db_path: str, scratch: str) -> bytes:
+    """The database's committed state as its snapshots have it: for a WAL
+    database, the file with the WAL's committed frames, as SQLite itself
+    (the unix VFS) checkpoints them into a copy of the two files; bytes 18
+    and 19 of the header (2: WAL) read as 1.  Call it while no writer runs.
+
+    The copy is made by `cp`, in another process: closing a descriptor of the
+    database in this one would drop every POSIX lock this process holds on
+    it, SQLite's included (another process could then take this process's
+    WAL for its own and delete it)."""
+    os.makedirs(scratch, exist_ok=True)
+    copy = os.path.join(scratch, "committed.db")
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        if os.path.exists(copy + suffix):
+            os.unlink(copy + suffix)
+    subprocess.run(["cp", db_path, copy], check=True, timeout=60)
+    if os.path.exists(db_path + "-wal"):
+        subprocess.run(["cp", db_path + "-wal", copy + "-wal"], check=True, timeout=60)
+        con = sqlite3.connect(copy)
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        con.close()
+    with open(copy, "rb") as f:
+        data = bytearray(f.read())
+    for i in (18, 19):
+        if len(data) > i and data[i] == 2:
+            data[i] = 1
+    return bytes(data)
 
 
 def disk_usage(root: str) -> int:

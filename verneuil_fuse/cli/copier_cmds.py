@@ -256,9 +256,12 @@ def _staged_matches(db, path: str) -> bool:
     """Whether the staged manifest of `db` describes the file at `path` now."""
     from verneuil_fuse import format as fmt
     from verneuil_fuse.copier import spool as sp
+    from verneuil_fuse.copier.source import committed_header
     meta = db.sub(sp.STAGING, sp.META)
-    with open(path, "rb") as f:
-        header = fmt.header_fprint_of(f.read(100))
+    raw = committed_header(path)
+    if raw is None:
+        return False
+    header = fmt.header_fprint_of(raw)
     for name in sp.listdir_or_empty(meta):
         # Only the header fingerprint is needed: no full validation (which a
         # manifest XOR-ed with a base chunk could not pass without the store).
@@ -281,8 +284,7 @@ def cmd_sync(args) -> int:
         counters = _force_snapshot(path, spool, verbose=args.verbose > 0)
         db = sp.DbDir(os.path.join(spool, sp.current_boot_root_name()), sp.dbdir_name(path))
         if not _staged_matches(db, path):
-            why = ("it is a WAL database, which the VFS does not replicate" if counters.get("wal") else
-                   "the VFS could not write its snapshot to the spool %s" % spool
+            why = ("the VFS could not write its snapshot to the spool %s" % spool
                    if counters.get("failed") else "the reason is in the VFS's log")
             raise UserError("%s: the VFS spooled no snapshot of the current file: %s%s" % (
                 path, why, "" if args.verbose else " (run with -v to see the VFS's log)"))
@@ -325,14 +327,11 @@ def lag_state(db: dict, max_lag: float) -> tuple[str, bool]:
             " (for %.1fs)" % (time.time() - stopped["since"]) if stopped.get("since") else "",
             " by %.1fs at least" % lag if lag else "")
         ok = False
-    elif db.get("wal"):
-        state = ("WAL: NOT replicated (the database is in journal_mode=WAL; replication resumes "
-                 "after PRAGMA journal_mode=DELETE); " + ("last snapshot: " if db.get("snapshotted", True) else "")
-                 + state)
-        ok = False
     elif db["source_changed"]:
         state += " (the source changed since its last snapshot)"
         ok = False
+    if db.get("wal"):
+        state += " [WAL mode]"
     return state, ok
 
 

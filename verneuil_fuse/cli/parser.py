@@ -300,7 +300,7 @@ def _add_lag(sub, parents: _Parents) -> None:
                                    "chunks and bytes, staged manifest age, and (with a store) "
                                    "whether the store holds the latest snapshot. Exit 0 when "
                                    "every database is replicated and at most --max-lag behind, "
-                                   "%d when one is not replicated (WAL, never snapshotted, "
+                                   "%d when one is not replicated (stopped, never snapshotted, "
                                    "changed since its last snapshot) or further behind."
                                    % EXIT_LAGGING)
     p.add_argument("--json", action="store_true", help="JSON output")

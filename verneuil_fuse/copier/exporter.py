@@ -4,7 +4,8 @@
 At each scrape: the copier's counters (`CopierStats`, as
 ``verneuil_copier_*``) and, per database of the spool, what `spool_status`
 reports without asking the store (``verneuil_spool_*``: pending bytes, the
-age of the oldest snapshot not yet shipped as ``lag_seconds``, WAL),
+age of the oldest snapshot not yet shipped as ``lag_seconds``, whether it
+is in WAL mode),
 labelled ``host`` and ``path`` as the mount labels the same database
 (`metrics.database_labels` of its staged manifest's name);
 ``verneuil_copier_info`` names the copier and

@@ -2,13 +2,14 @@
 
 Everything comes from the spool itself (no copier state is needed): pending
 snapshots in `ready`/`consuming`, staged chunks not yet uploaded, the age of
-the staged manifest, whether the source file moved past it; and, given a
-store, whether the store holds exactly the staged manifest (`store.Reads.holds`,
-bounded by the copier's `max_db_size`).
+the staged manifest, whether the source database (its file, and its WAL in
+WAL mode: source.py) moved past it; and, given a store, whether the store
+holds exactly the staged manifest (`store.Reads.holds`, bounded by the
+copier's `max_db_size`).
 
 A database that stopped replicating says so (`stopped`, with the reason and
 since when; never "in sync", its lag counted from then at least): its source
-file is past `max_db_size` (the writer snapshots no such file), or a copier
+database is past `max_db_size` (the writer snapshots no such file), or a copier
 refused its manifest as past it (`copier.stopped`). Each database also
 carries its boot root's dead letters (entries, bytes, dropped).
 """
@@ -21,6 +22,7 @@ from typing import Optional
 
 from verneuil_fuse import format as fmt
 from verneuil_fuse.store import Reads, Store
+from verneuil_fuse.copier import source as src
 from verneuil_fuse.copier import spool as sp
 
 # The size limit for the spool's own staged manifests: they come from this
@@ -44,31 +46,23 @@ def _snapshot_dirs(db: sp.DbDir, which: str) -> list[dict]:
     return out
 
 
-# SQLite's header: bytes 18 and 19 (file format write and read versions) are
-# 2 in a database in WAL mode, which the VFS does not replicate.
-_WAL_VERSION_BYTES = slice(18, 20)
-
-
 def source_uses_wal(source: Optional[str]) -> Optional[bool]:
     """Whether the database file's header says WAL (None: unreadable)."""
     if not source:
         return None
     try:
         with open(source, "rb") as f:
-            header = f.read(100)
+            header = f.read(src.HEADER_BYTES)
     except OSError:
         return None
-    if len(header) < 100:
+    if len(header) < src.HEADER_BYTES:
         return None
-    return header[_WAL_VERSION_BYTES] == b"\x02\x02"
+    return src.uses_wal(header)
 
 
 def _stopped(db: sp.DbDir, source: Optional[str], max_db_size: int) -> Optional[dict]:
     """Why and since when `db` stopped replicating (None: it did not)."""
-    try:
-        size = os.stat(source).st_size if source else None
-    except OSError:
-        size = None
+    size = src.committed_size(source) if source else None
     try:
         record = json.loads(sp.read_regular(db.sub(sp.STOPPED_FILE), 4096))
         since = float(record["since"])
@@ -123,12 +117,9 @@ def db_status(db: sp.DbDir, reads: Optional[Reads] = None, max_db_size: int = fm
             entry["chunks"] = len(m.chunks)
             entry["past_bound"] = m.len > max_db_size
             if source:
-                try:
-                    with open(source, "rb") as f:
-                        header = f.read(100)
-                    entry["source_changed"] = fmt.header_fprint_of(header) != m.header_fprint
-                except OSError:
-                    entry["source_changed"] = None
+                header = src.committed_header(source)
+                entry["source_changed"] = (None if header is None
+                                           else fmt.header_fprint_of(header) != m.header_fprint)
         if reads is not None:
             held = reads.holds(name, raw)
             entry["in_store"] = "missing" if held is None else "current" if held else "behind"
@@ -145,8 +136,8 @@ def db_status(db: sp.DbDir, reads: Optional[Reads] = None, max_db_size: int = fm
     stopped = info["stopped"]
     if stopped is not None and stopped["since"] is not None:
         ages.append(max(0.0, now - stopped["since"]))
-    # No snapshot at all yet (a WAL database, a spool directory the writer
-    # made before its first snapshot): never in sync, nothing to ship.
+    # No snapshot at all yet (a spool directory the writer made before its
+    # first snapshot, or whose every snapshot failed): never in sync, nothing to ship.
     info["snapshotted"] = bool(manifests or info["ready"] or info["consuming"])
     if reads is not None:
         ages += [e["age"] for e in manifests if e.get("in_store") != "current"]

@@ -1,0 +1,353 @@
+"""The verneuil VFS on databases in WAL mode (docs/WRITER.md, "WAL
+databases"): after every commit the staged snapshot is the committed state,
+the file with the WAL's committed frames (support/spoolutil.committed_image,
+which lets SQLite itself checkpoint a copy), with header bytes 18 and 19 read
+as 1; whatever the writers (connections, processes, a writer without the
+VFS), the checkpoints, WAL resets, locking mode and journal-mode switches.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import sqlite3
+import subprocess
+import sys
+import tempfile
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import writer_vfs
+
+from support import spoolutil
+from test_writer_vfs import spool  # noqa: F401 - the fixture: a fresh spool
+
+
+def wal_db(path, page_size=4096, locking="NORMAL"):
+    conn = writer_vfs.connect(path, isolation_level=None, timeout=30)
+    conn.execute("PRAGMA page_size=%d" % page_size)
+    conn.execute("PRAGMA locking_mode=%s" % locking)
+    assert conn.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
+    return conn
+
+
+def assert_staged(db, spool, tmp_path):
+    """The staged snapshot rebuilds to the committed state; its header says
+    rollback journal (bytes 18-19 = 1)."""
+    want = spoolutil.committed_image(db, str(tmp_path / "committed"))
+    got = spoolutil.rebuild_from_staging(spoolutil.db_spool_dir(spool, db), db_path=db)
+    assert got[18:20] == b"\x01\x01"
+    assert len(got) == len(want)
+    assert got == want
+
+
+def totals(*conns):
+    out = {}
+    for c in conns:
+        for k, v in writer_vfs.stats(c).items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+OTHER_PROCESS = r"""
+import sys, writer_vfs
+writer_vfs.register(sys.argv[1])
+c = writer_vfs.connect(sys.argv[2], isolation_level=None, timeout=30)
+for i in range(int(sys.argv[3])):
+    c.execute("INSERT INTO t(v) VALUES (randomblob(3000))")
+c.execute("PRAGMA wal_checkpoint(" + sys.argv[4] + ")")
+print(writer_vfs.stats(c)["full"])
+"""
+
+
+def test_writers_and_every_checkpoint_stage_each_committed_state(spool, tmp_path):
+    """Two connections and another process commit, with checkpoints of each
+    kind (and frequent autocheckpoints) in between: every commit stages
+    exactly its state, incrementally (one full scan, the first)."""
+    db = str(tmp_path / "w.db")
+    a = wal_db(db)
+    a.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
+    b = writer_vfs.connect(db, isolation_level=None, timeout=30)
+    b.execute("PRAGMA wal_autocheckpoint=20")
+    assert_staged(db, spool, tmp_path)
+    rng = random.Random(7)
+    for step in range(60):
+        conn = a if step % 2 else b
+        kind = step % 6
+        if kind == 0:
+            conn.execute("INSERT INTO t(v) VALUES (?)", (rng.randbytes(rng.randint(100, 70000)),))
+        elif kind == 1:
+            conn.execute("UPDATE t SET v = ? WHERE id % 4 = ?", (rng.randbytes(500), step % 4))
+        elif kind == 2:
+            mode = ("PASSIVE", "FULL", "RESTART", "TRUNCATE")[step % 4]
+            conn.execute("PRAGMA wal_checkpoint(%s)" % mode)
+        elif kind == 3:
+            out = subprocess.run([sys.executable, "-c", OTHER_PROCESS, spool, db, "3",
+                                  ("PASSIVE", "TRUNCATE")[step % 2]],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            assert out.stdout.strip() == "0", out.stdout  # incremental there too
+        elif kind == 4:
+            conn.execute("DELETE FROM t WHERE id % 3 = ?", (step % 3,))
+        else:
+            conn.execute("VACUUM")
+        assert_staged(db, spool, tmp_path)
+    s = totals(a, b)
+    assert s["full"] <= 1 and s["failed"] == 0 and s["verify_mismatch"] == 0, s
+    assert s["wal_snapshots"] >= 40 and s["wal"] == 2, s
+    assert a.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("from_start", [True, False])
+def test_exclusive_locking_mode_snapshots_every_commit(spool, tmp_path, from_start):
+    """locking_mode=EXCLUSIVE takes no shared-memory lock: each commit is
+    snapshotted at SQLITE_FCNTL_COMMIT_PHASETWO, WAL resets included."""
+    db = str(tmp_path / "x.db")
+    if from_start:  # the WAL in heap memory, never in shared memory
+        conn = wal_db(db, locking="EXCLUSIVE")
+    else:  # shared memory first, then exclusive
+        conn = wal_db(db)
+        conn.execute("CREATE TABLE warm(v)")
+        conn.execute("PRAGMA locking_mode=EXCLUSIVE")
+    conn.execute("PRAGMA wal_autocheckpoint=8")
+    conn.execute("CREATE TABLE t(v)")
+    for i in range(30):
+        conn.execute("INSERT INTO t VALUES (randomblob(?))", (1000 * (i % 7) + 10,))
+        if i % 10 == 9:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        assert_staged(db, spool, tmp_path)
+    s = writer_vfs.stats(conn)
+    assert s["full"] <= 1 and s["failed"] == 0 and s["wal_snapshots"] >= 30, s
+    conn.close()
+    assert_staged(db, spool, tmp_path)
+
+
+@pytest.mark.parametrize("locking", ["NORMAL", "EXCLUSIVE"])
+def test_switching_between_wal_and_rollback_modes(spool, tmp_path, locking):
+    db = str(tmp_path / "s.db")
+    conn = writer_vfs.connect(db, isolation_level=None)
+    conn.execute("PRAGMA locking_mode=%s" % locking)
+    conn.execute("CREATE TABLE t(v)")
+    for round_ in range(3):
+        assert conn.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
+        for i in range(4):
+            conn.execute("INSERT INTO t VALUES (randomblob(20000))")
+            assert_staged(db, spool, tmp_path)
+        assert conn.execute("PRAGMA journal_mode=DELETE").fetchone()[0] == "delete"
+        conn.execute("INSERT INTO t VALUES (randomblob(30000))")
+        if locking == "NORMAL":  # EXCLUSIVE: rollback commits snapshot at unlock
+            assert_staged(db, spool, tmp_path)
+    conn.execute("PRAGMA locking_mode=NORMAL")
+    conn.execute("SELECT count(*) FROM t").fetchone()
+    s = writer_vfs.stats(conn)
+    assert s["failed"] == 0, s
+    conn.close()
+    assert_staged(db, spool, tmp_path)
+
+
+def test_closing_and_reopening_stays_incremental(spool, tmp_path):
+    """The last connection's close checkpoints and deletes the WAL: the
+    snapshot is recorded as the file, so the next session's first commit
+    updates it from the new WAL's frames, not from a full scan."""
+    db = str(tmp_path / "r.db")
+    conn = wal_db(db)
+    conn.execute("CREATE TABLE t(v)")
+    conn.execute("INSERT INTO t VALUES (randomblob(200000))")
+    conn.close()
+    assert not os.path.exists(db + "-wal")
+    for i in range(3):
+        conn = writer_vfs.connect(db, isolation_level=None)
+        conn.execute("INSERT INTO t VALUES (randomblob(5000))")
+        assert_staged(db, spool, tmp_path)
+        s = writer_vfs.stats(conn)
+        assert s["full"] == 0 and s["incremental"] == 1, s
+        conn.close()
+        assert_staged(db, spool, tmp_path)
+
+
+def test_writers_without_the_vfs_are_caught_up(spool, tmp_path):
+    """Commits by a plain SQLite connection show in the WAL: the next commit
+    through the VFS stages them too (incrementally while the WAL generation
+    is the same; after a reset the VFS did not see, from a full scan)."""
+    db = str(tmp_path / "f.db")
+    conn = wal_db(db)
+    conn.execute("CREATE TABLE t(v)")
+    conn.execute("INSERT INTO t VALUES (1)")
+    plain = sqlite3.connect(db, isolation_level=None)
+    plain.execute("INSERT INTO t VALUES (randomblob(90000))")
+    conn.execute("INSERT INTO t VALUES (2)")
+    assert_staged(db, spool, tmp_path)
+    assert writer_vfs.stats(conn)["full"] == 1  # the first snapshot only
+    plain.execute("INSERT INTO t VALUES (randomblob(90000))")
+    plain.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    plain.execute("INSERT INTO t VALUES (3)")  # a new generation
+    conn.execute("INSERT INTO t VALUES (4)")
+    assert_staged(db, spool, tmp_path)
+    assert writer_vfs.stats(conn)["full"] == 2
+    plain.close()
+    conn.close()
+    assert_staged(db, spool, tmp_path)
+
+
+def test_a_file_changed_between_sessions_is_scanned_again(spool, tmp_path):
+    """After the last close the snapshot is recorded as the file; a session
+    without the VFS that commits and checkpoints into the file changes it
+    (size, times, header): the next commit through the VFS scans it all."""
+    db = str(tmp_path / "between.db")
+    conn = wal_db(db)
+    conn.execute("CREATE TABLE t(v)")
+    conn.execute("INSERT INTO t VALUES (randomblob(150000))")
+    conn.close()
+    plain = sqlite3.connect(db, isolation_level=None)
+    plain.execute("UPDATE t SET v = randomblob(150000)")
+    plain.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    plain.close()
+    conn = writer_vfs.connect(db, isolation_level=None)
+    conn.execute("INSERT INTO t VALUES (1)")
+    s = writer_vfs.stats(conn)
+    # The record's proof says so (not the random re-hash, which may miss it).
+    assert s["full"] == 1 and s["verify_mismatch"] == 0, s
+    assert_staged(db, spool, tmp_path)
+    conn.close()
+
+
+def test_a_crashed_writer_s_commits_are_staged_by_the_next(spool, tmp_path):
+    """A process that dies right after its commits (no snapshot of the last
+    ones: SIGKILL is simulated by _exit before its VFS could) leaves frames
+    in the WAL; the next connection's recovery and commit stage them."""
+    db = str(tmp_path / "k.db")
+    conn = wal_db(db)
+    conn.execute("CREATE TABLE t(v)")
+    conn.close()
+    script = r"""
+import os, sqlite3, sys
+c = sqlite3.connect(sys.argv[1], isolation_level=None)
+for i in range(20):
+    c.execute("INSERT INTO t VALUES (randomblob(4000))")
+os._exit(0)
+"""
+    subprocess.run([sys.executable, "-c", script, db], check=True, timeout=60)
+    assert os.path.getsize(db + "-wal") > 0
+    conn = writer_vfs.connect(db, isolation_level=None)
+    assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 20
+    assert_staged(db, spool, tmp_path)  # staged at the recovery
+    conn.execute("INSERT INTO t VALUES (1)")
+    assert_staged(db, spool, tmp_path)
+    conn.close()
+
+
+OPS = st.one_of(
+    st.tuples(st.just("insert"), st.integers(1, 40), st.integers(0, 6000)),
+    st.tuples(st.just("blob"), st.integers(60_000, 300_000)),
+    st.tuples(st.just("update"), st.integers(1, 50), st.integers(0, 5000)),
+    st.tuples(st.just("delete"), st.integers(2, 9), st.just(0)),
+    st.tuples(st.just("checkpoint"), st.sampled_from(["PASSIVE", "FULL", "RESTART", "TRUNCATE"])),
+    st.tuples(st.just("rollback"), st.integers(1, 300), st.integers(0, 3000)),
+    st.tuples(st.just("vacuum"),),
+    st.tuples(st.just("reopen"),),
+)
+
+
+@settings(max_examples=25, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(page_size=st.sampled_from([512, 4096, 65536]), ops=st.lists(OPS, min_size=1, max_size=8),
+       seed=st.integers(0, 2**32 - 1), gc_weight=st.sampled_from([0.0, 4.0, 1e9]))
+def test_random_wal_workloads_stage_exact_snapshots(spool, tmp_path, page_size, ops, seed, gc_weight):
+    rng = random.Random(seed)
+    writer_vfs.set_gc_weight(gc_weight)
+    with tempfile.TemporaryDirectory(dir=tmp_path) as work:
+        run_wal_workload(spool, os.path.join(work, "w.db"), page_size, ops, rng)
+
+
+def run_wal_workload(spool, db, page_size, ops, rng):
+    work = os.path.dirname(db)
+    conn = wal_db(db, page_size)
+    conn.execute("PRAGMA cache_size=10")  # big transactions spill frames
+    conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
+    for op in ops:
+        if op[0] == "insert":
+            conn.execute("BEGIN")
+            conn.executemany("INSERT INTO t(v) VALUES (?)",
+                             [(rng.randbytes(rng.randint(0, op[2])),) for _ in range(op[1])])
+            conn.execute("COMMIT")
+        elif op[0] == "blob":
+            conn.execute("INSERT INTO t(v) VALUES (?)", (rng.randbytes(op[1]),))
+        elif op[0] == "update":
+            conn.execute("UPDATE t SET v = ? WHERE id % ? = 0", (rng.randbytes(op[2]), op[1]))
+        elif op[0] == "delete":
+            conn.execute("DELETE FROM t WHERE id % ? = 0", (op[1],))
+        elif op[0] == "checkpoint":
+            conn.execute("PRAGMA wal_checkpoint(%s)" % op[1])
+        elif op[0] == "rollback":  # large enough to spill frames, then undone
+            conn.execute("BEGIN")
+            conn.executemany("INSERT INTO t(v) VALUES (?)", [(rng.randbytes(op[2]),) for _ in range(op[1])])
+            conn.execute("ROLLBACK")
+        elif op[0] == "vacuum":
+            conn.execute("VACUUM")
+        else:
+            conn.close()
+            conn = writer_vfs.connect(db, isolation_level=None)
+        assert_staged(db, spool, pathlib.Path(work))
+        assert spoolutil.check_published(spoolutil.db_spool_dir(spool, db)) >= 1
+    s = writer_vfs.stats(conn)
+    assert s["failed"] == 0 and s["verify_mismatch"] == 0, s
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    conn.close()
+
+
+def test_wal_is_replicated_quietly_from_another_process(tmp_path):
+    """A program that switches to WAL, commits and checkpoints prints
+    nothing on stderr (nothing is left unreplicated), and its snapshot is
+    the committed state."""
+    script = r"""
+import sys, writer_vfs
+writer_vfs.register(sys.argv[1])
+c = writer_vfs.connect(sys.argv[2], isolation_level=None)
+c.execute("CREATE TABLE t(v)")
+assert c.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
+for i in range(50):
+    c.execute("INSERT INTO t VALUES (randomblob(5000))")
+c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+c.execute("INSERT INTO t VALUES (1)")
+s = writer_vfs.stats(c)
+print(s["wal"], s["wal_snapshots"], s["failed"], s["wal_unreplicated"])
+"""
+    spool, db = str(tmp_path / "spool"), str(tmp_path / "wal.db")
+    out = subprocess.run([sys.executable, "-c", script, spool, db],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
+    wal, snapshots, failed, unreplicated = map(int, out.stdout.split())
+    assert wal == 1 and snapshots >= 52 and failed == 0 and unreplicated == 0, out.stdout
+    assert_staged(db, spool, tmp_path)
+
+
+def test_free_pages_never_written_are_read_as_zeros(spool, tmp_path):
+    """Without secure_delete, pages that end a transaction on the freelist
+    are never written: past the file's end they have no frame, and SQLite
+    reads them as zeros.  The database is still the file and the WAL (not a
+    piece of one: it stays replicated), and its snapshot has those zeros."""
+    db = str(tmp_path / "free.db")
+    conn = wal_db(db)
+    conn.execute("PRAGMA secure_delete=OFF")
+    conn.execute("PRAGMA wal_autocheckpoint=0")
+    conn.execute("CREATE TABLE t(v)")
+    conn.execute("INSERT INTO t VALUES (1)")
+    conn.execute("BEGIN")
+    conn.execute("INSERT INTO t VALUES (randomblob(300000))")
+    conn.execute("INSERT INTO t VALUES (2)")
+    conn.execute("DELETE FROM t WHERE length(v) > 1000")
+    conn.execute("COMMIT")
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    assert pages * 4096 > os.path.getsize(db)  # pages past the file's end
+    assert conn.execute("PRAGMA freelist_count").fetchone()[0] > 0
+    assert_staged(db, spool, tmp_path)
+    conn.execute("INSERT INTO t VALUES (3)")
+    assert_staged(db, spool, tmp_path)
+    s = writer_vfs.stats(conn)
+    assert s["wal_unreplicated"] == 0 and s["failed"] == 0, s
+    conn.close()
