@@ -1,6 +1,8 @@
 """CI smoke test of the whole-system benchmark: `scripts/bench_all.py --quick`
 (small databases, one run each) must finish and write every figure with a
-sane value. Speeds are only checked to be there and positive (a loaded
+sane value. Every phase but the Spark fan-out runs (`PHASES`): that one is
+Spark's start (~20 s) and the tests of verneuil_fuse.spark run the same path;
+`make bench-quick` runs it too. Speeds are only checked to be there and positive (a loaded
 machine may be slow; the figures themselves are the benchmark's business);
 counts (GETs, PUTs, rows, databases) are checked exactly or by their bounds.  About 2 minutes on 2 cores (3 under load); it mounts FUSE file systems
 (root) and starts moto, s3fs, rclone and Spark, all stopped by the script."""
@@ -54,13 +56,18 @@ def _why_not() -> str | None:
     return None
 
 
+# The phases CI runs (see the module docstring).
+PHASES = ("writer", "lag", "sync", "ceiling", "read", "rig", "storage")
+
+
 @pytest.fixture(scope="module")
 def quick_results(tmp_path_factory):
     reason = _why_not()
     if reason:
         pytest.skip(reason)
     out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--quick", "--out", str(out)],
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--quick", "--out", str(out),
+                             *("--only=%s" % phase for phase in PHASES)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=ROOT)
     try:
@@ -83,12 +90,12 @@ def quick_results(tmp_path_factory):
 def test_every_phase_ran(quick_results):
     r, out = quick_results
     assert r["errors"] == {}
-    for phase in ("writer", "lag", "sync", "ceiling", "read", "rig", "read_rig", "fanout", "storage", "summary"):
+    for phase in PHASES + ("read_rig", "summary"):
         assert phase in r, phase
     assert r["meta"]["mode"] == "quick"
     assert r["meta"]["wall_seconds"] < TIMEOUT
     md = (out / "results.md").read_text()
-    assert "| **verneuil mount (this)** |" in md and "fan-out" in md
+    assert "| **verneuil mount (this)** |" in md
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -163,22 +170,13 @@ def test_reader_comparison(quick_results):
     assert read["systems"]["restore"]["point"]["gets"] >= chunks - 1
 
 
-def test_fanout_and_storage(quick_results):
+def test_storage_and_summary(quick_results):
     r, _ = quick_results
-    f = r["fanout"]
-    assert f["dbs"] == 100
-    for variant in ("python", "spark"):
-        for kind in ("cold", "warm"):
-            x = f[variant][kind]
-            assert x["dbs"] == 100 and x["median_s"] > 0
-            assert x["answer"][0] == f["answer"][0]
-    assert f["spark_session_start_s"] > 0
+    assert "fanout" not in r
     st = r["storage"]
     assert 0 < st["dedup"]["ratio"] < 0.6
     assert 0 < st["sync_db"]["ratio"] < 1.2
-    assert 0 < st["fanout_dbs"]["ratio"] < 1.2
     summary = r["summary"]
     for key in ("writer_commit_ratio_full", "lag_median_ms", "sync_copier_vs_plain",
-                "scan_s3fs_vs_verneuil", "point_rclone_full_vs_verneuil",
-                "fanout_spark_vs_python_cold", "dedup_stored_ratio"):
+                "scan_s3fs_vs_verneuil", "point_rclone_full_vs_verneuil", "dedup_stored_ratio"):
         assert summary.get(key) is not None and summary[key] > 0, key

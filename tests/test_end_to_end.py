@@ -1,6 +1,7 @@
 """The whole chain on the embedded default: writes through the C VFS, a
-background copier, a real FUSE mount, then the Spark data source and
-`verneuilctl query` over 24 replicas; answers equal the sources'."""
+background copier, a real FUSE mount, then `verneuilctl query` (the Spark
+data source) over 24 replicas; answers equal the sources'. (The data
+source's API over the same chain: tests/test_spark_cluster.py.)"""
 from __future__ import annotations
 
 import csv
@@ -73,20 +74,6 @@ def test_replicas_equal_sources(chain):
     for p in paths:
         with open(p, "rb") as a, open(os.path.join(replica_dir, os.path.basename(p)), "rb") as b:
             assert a.read() == b.read(), p
-
-
-def test_spark_over_the_mount_equals_sources(chain):
-    from verneuil_fuse.spark import spark_session
-
-    paths, replica_dir, _ = chain
-    spark = spark_session("local[2]", app="verneuil-e2e")
-    try:
-        rows = spark.read.format("verneuil").option("query", QUERY).load(replica_dir).collect()
-    finally:
-        spark.stop()
-    got = {(r["region"], r["n"], r["total"], os.path.basename(r["_source"])) for r in rows}
-    assert {r[3] for r in got} == {os.path.basename(p) for p in paths}
-    assert got == direct(paths)
 
 
 def test_verneuilctl_query_writes_csv(chain):

@@ -374,8 +374,10 @@ def test_a_long_lived_connection_follows(env):
             start = time.monotonic()
             wait_for(lambda: con.execute("SELECT count(*) FROM t").fetchone() == (rows,), 10, "%d rows" % rows)
             assert time.monotonic() - start < 5
+        # (Who found each version, the follow loop or the 0.5 s poll, is a
+        # race: tests/test_reader_follow.py counts the loop's finds.)
         follow = env.mount.stats()["follow"]
-        assert follow["switches"] >= 2 and follow["new_versions"] >= 2, follow
+        assert follow["switches"] >= 2, follow
         wait_for(lambda: env.mount.stats()["follow"]["not_modified"] > follow["not_modified"], 10, "a 304")
     from prometheus_client.parser import text_string_to_metric_families
 

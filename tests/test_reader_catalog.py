@@ -106,7 +106,13 @@ def test_tree_versions_and_removal(local_store):
 
 def test_bad_manifest_is_skipped(local_store):
     """A manifest that does not decode is skipped, and not fetched (nor
-    logged) again at every poll until its blob changes."""
+    logged) again at every poll until its blob changes or its retry time
+    passes (BAD_RETRY_S, doubling at each failure)."""
+    import time
+
+    from verneuil_fuse.reader.polling import BAD_RETRY_S
+
+    now = [time.time()]
     publish(local_store, os.urandom(100), "/ok.db")
     bad_key = manifest_name("/bad.db", "testhost")
     local_store.manifests.put(bad_key, b"garbage")
@@ -124,6 +130,13 @@ def test_bad_manifest_is_skipped(local_store):
             await cat.refresh()
         assert cat.fetcher.stats["manifest_gets"] == gets and cat.poll_errors == 1
         assert cat.stats()["refresh"]["bad_manifests"] == [bad_key]
+        # Its retry time passed: read again (still bad), then not before twice as long.
+        for wait, fetched in ((BAD_RETRY_S, 1), (1.5 * BAD_RETRY_S, 0), (0.6 * BAD_RETRY_S, 1)):
+            now[0] += wait
+            await cat.refresh()
+            assert cat.fetcher.stats["manifest_gets"] == gets + fetched, wait
+            gets = cat.fetcher.stats["manifest_gets"]
+        assert await cat.lookup(top, "bad.db") is None
         # Fixed in the store: fetched again and served.
         good = publish(local_store, os.urandom(300), "/bad.db")
         await cat.refresh()
@@ -131,7 +144,7 @@ def test_bad_manifest_is_skipped(local_store):
         assert r is not None and await r.read(0, 1000) == good.data
         assert cat.stats()["refresh"]["bad_manifests"] == []
 
-    run(local_store, go)
+    run(local_store, go, clock=lambda: now[0])
 
 
 def test_reads_zero_chunks_and_eof(local_store):

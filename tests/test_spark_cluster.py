@@ -197,10 +197,10 @@ def _make(path: str, i: int, connect) -> str:
     return path
 
 
-def _cluster_session(url: str, app: str, executors: int):
+def _cluster_session(url: str, app: str, executors: int, conf: dict | None = None):
     """A session on the cluster at `url` with `executors` executors of one
     core, once they registered (any local session left by another module
-    stopped first)."""
+    stopped first); `conf` adds settings."""
     from pyspark.sql import SparkSession
 
     active = SparkSession.getActiveSession()
@@ -208,7 +208,7 @@ def _cluster_session(url: str, app: str, executors: int):
         active.stop()
     spark = vspark.spark_session(url, app=app, conf={
         "spark.driver.host": "127.0.0.1", "spark.executor.memory": "512m",
-        "spark.executor.cores": "1", "spark.cores.max": str(executors)})
+        "spark.executor.cores": "1", "spark.cores.max": str(executors), **(conf or {})})
     status = spark.sparkContext._jsc.sc().getExecutorMemoryStatus
     deadline = time.monotonic() + START_TIMEOUT
     while status().size() < executors + 1 and time.monotonic() < deadline:
@@ -246,7 +246,9 @@ def test_a_worker_without_the_mount_is_named_on_the_driver(cluster_without_mount
     check that form)."""
     url = cluster_without_mount
     _paths, replica_dir, _mountpoint = replicas
-    spark = _cluster_session(url, "verneuil-no-mount-test", 1)
+    # One attempt per task: the error is the same after Spark's 4 (the
+    # default), which only cost time here.
+    spark = _cluster_session(url, "verneuil-no-mount-test", 1, {"spark.task.maxFailures": "1"})
     try:
         with pytest.raises(Exception) as failed:
             spark.read.format("verneuil").option("query", QUERY).load(replica_dir).collect()

@@ -150,8 +150,10 @@ class Catalog(ManifestLoads, Polling, Handles, CatalogHydration, CatalogStats):
         self.polls = 0
         self.poll_errors = 0
         # Manifests that did not decode, by key: (size, mtime, fetched_at) of
-        # the listed blob. Not fetched (nor logged) again until it changes.
+        # the listed blob, not read again until it changes or its retry time
+        # (polling.BAD_RETRY_S, doubling at each of `_bad_tries`) passed.
         self._bad: dict[str, tuple[int, float, float]] = {}
+        self._bad_tries: dict[str, int] = {}
         self.last_poll = 0.0
         self.versions_seen = 0
         self.counts = dict.fromkeys(("loads", "unparks", "parks", "stale", "direct_lookups", "direct_found",

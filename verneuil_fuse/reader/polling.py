@@ -28,6 +28,14 @@ log = logging.getLogger(__name__)
 # (META_THREADS), so that they never wait on this bound, few enough that a
 # lookup's own manifest read queues behind at most this many.
 READ_ALL_AT_ONCE = 8
+# A listed manifest that did not decode is read again after this long, then
+# after twice as long at each failure, up to BAD_RETRY_MAX_S, even if its
+# listing did not change: an S3 answer carries no checksum of its body, so a
+# body damaged on the way (cut, bytes flipped) looks like a damaged blob,
+# and must not keep a good database out of the tree until a remount. A blob
+# damaged in the store then costs one GET (and one log line) per 10 minutes.
+BAD_RETRY_S = 10.0
+BAD_RETRY_MAX_S = 600.0
 
 
 class Polling:
@@ -67,7 +75,8 @@ class Polling:
             entry = self.entries.get(key)
             if entry is None:
                 bad = self._bad.get(key)
-                if bad is None or bad[:2] != (info.size, info.mtime) or bad[2] - info.mtime < SETTLE_SECONDS:
+                if (bad is None or bad[:2] != (info.size, info.mtime) or bad[2] - info.mtime < SETTLE_SECONDS
+                        or self._retry_bad(key, bad[2])):
                     self._bad.pop(key, None)
                     added += self._add(key, info.size, info.mtime) is not None
                 continue
@@ -85,10 +94,22 @@ class Polling:
             self._remove(key)
         for key in self._bad.keys() - listed:
             del self._bad[key]
+        for key in self._bad_tries.keys() - listed:
+            del self._bad_tries[key]
         if len(self.entries) <= self.decoded_limit:
             await self._read_all()
         if self.hydrate and self._nursery is not None:
             self._after_poll_hydration()
+
+    def _retry_bad(self, key: str, failed_at: float) -> bool:
+        """Whether the manifest ``key``, which did not decode when read at
+        ``failed_at``, is due to be read again (`BAD_RETRY_S`); counts the
+        try."""
+        tries = self._bad_tries.get(key, 0)
+        if self.clock() - failed_at < min(BAD_RETRY_MAX_S, BAD_RETRY_S * 2 ** tries):
+            return False
+        self._bad_tries[key] = tries + 1
+        return True
 
     async def _read_all(self) -> None:
         """A store whose databases all fit in ``decoded_limit``: read every
@@ -145,11 +166,11 @@ class Polling:
                     log.warning("cannot load manifest %s: %s", info.key, e)
                     return
                 self._bad[info.key] = (info.size, info.mtime, fetched_at)
-                log.warning("cannot load manifest %s: %s (not tried again until it changes)", info.key, e)
+                log.warning("cannot load manifest %s: %s (read again when it changes, or later)", info.key, e)
             except TooLarge as e:
                 self.poll_errors += 1
                 self._bad[info.key] = (info.size, info.mtime, fetched_at)
-                log.warning("cannot load manifest %s: %s (not tried again until it changes)", info.key, e)
+                log.warning("cannot load manifest %s: %s (read again when it changes, or later)", info.key, e)
             except StoreError as e:
                 self.poll_errors += 1
                 log.warning("cannot load manifest %s: %s", info.key, e)
