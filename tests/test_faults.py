@@ -498,7 +498,7 @@ _QUERIES = (
 
 # How long SQLite queries the mount in each fault phase of the test below:
 # some 50 queries each, enough for both right results and I/O errors.
-PHASE_S = 5.0
+PHASE_S = 4.0
 
 @fuse_skip
 @pytest.mark.fuse
