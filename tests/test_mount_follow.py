@@ -30,7 +30,9 @@ import pytest
 
 from support.follow_writer import WriterProc, invariant_reader
 from support.replicas import HOST, Mount, fuse_unavailable, make_db, publish, stop_pid, wait_for
+from verneuil_fuse.cli.mount_options import DEFAULT_ENTRY_TIMEOUT
 from verneuil_fuse.format import CHUNK_SIZE, local_hostname
+from verneuil_fuse.reader.follow import RESERVE_SECONDS
 
 pytestmark = [pytest.mark.fuse, pytest.mark.timeout(300)]
 if fuse_unavailable():
@@ -401,3 +403,20 @@ def test_hot_rereads_stay_in_the_page_cache(rig):
         inodes.add(os.stat(path).st_ino)
     assert reads() == before
     assert len(inodes) == 1
+    # A stat in one thread, then an open in another (Spark's driver plans
+    # its tasks by the files' sizes, then the tasks open them): one
+    # follower, its page cache still hot. The wait outlives the kernel's
+    # entry timeout, so that the stat's LOOKUP reaches the mount, and any
+    # retry of an open of this thread above (its reservation).
+    time.sleep(max(DEFAULT_ENTRY_TIMEOUT, RESERVE_SECONDS) + 0.2)
+    assert os.stat(path).st_ino in inodes
+    seen = []
+
+    def task() -> None:
+        with open(path, "rb") as f:
+            seen.append((os.fstat(f.fileno()).st_ino, f.read() == data))
+
+    reader = threading.Thread(target=task)
+    reader.start()
+    reader.join(30)
+    assert seen == [(inodes.pop(), True)] and reads() == before

@@ -295,7 +295,11 @@ class EnginePath:
         answer gives back would otherwise cut runs ever shorter), or for at
         most `RUN_WAIT` since they queued (the readahead tops its window up
         a read request at a time, and the chunks it adds next join their
-        run): a scan costs about a request per `MAX_RUN_BYTES`."""
+        run): a scan costs about a request per `MAX_RUN_BYTES`. Not on a
+        directory store: a read there costs a `pread`, not a round trip, and
+        a run held back waits on answers that a local disk gives at once."""
+        if self._files:
+            return
         tail = len(batch)
         while tail > 0:  # the trailing prefetches of one pack, end to end
             source = batch[tail - 1].source

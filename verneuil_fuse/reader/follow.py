@@ -15,12 +15,17 @@ cache is per inode, so a handle that moves needs an inode of its own.
   readdir) hands out a follower with no open handle, the most recently used
   (its page cache is hot: short-lived readers one after another keep their
   speed), else one whose handle reads the newest version (it may be free by
-  the time the path is opened), else a new one; a lookup reserves a free
-  one for the looking-up thread for `RESERVE_SECONDS`. `may_open` refuses a follower that has a handle or
-  is reserved for another thread: the mount answers ESTALE, the kernel walks
+  the time the path is opened), else a new one. `may_open` refuses a
+  follower that has a handle: the mount answers ESTALE, the kernel walks
   the path again with a fresh lookup (LOOKUP_REVAL) and opens another
-  follower, so concurrent opens get inodes of their own and nobody sees
-  ESTALE. A follower that the kernel forgot and no handle holds is dropped.
+  follower, so concurrent opens get inodes of their own. That retry's
+  lookup gets a follower reserved for its thread for `RESERVE_SECONDS`
+  (no other thread may open it), so that the retry succeeds and the
+  program never sees ESTALE. A plain lookup reserves nothing: a `stat` in
+  one thread and an open in another (Spark plans its tasks by the files'
+  sizes on the driver, a web server stats before its workers open) share
+  the follower and its hot page cache. A follower that the kernel forgot
+  and no handle holds is dropped.
 - **Generations.** What the kernel may hold in a follower's page cache is
   described by a generation: a version, its size and an mtime. A new
   generation (`_new_generation`) takes a new, larger mtime and invalidates
@@ -83,10 +88,9 @@ log = logging.getLogger(__name__)
 # a loaded machine, and a follower armed by another connection's start
 # moves only at a READ at offset 0 with a clean page cache anyway.
 ARM_SECONDS = 1.0
-# How long a follower handed out by a lookup is kept for the thread that
-# looked it up: the kernel's retry of an open answered ESTALE is two LOOKUPs
-# and an OPEN from one thread within microseconds; 2 s covers a loaded
-# machine. A stat that opens nothing holds a follower that long.
+# How long the follower handed out to the kernel's retry of an open answered
+# ESTALE is kept for the retrying thread: the retry is two LOOKUPs and an
+# OPEN from one thread within microseconds; 2 s covers a loaded machine.
 RESERVE_SECONDS = 2.0
 
 
@@ -154,12 +158,14 @@ class Followers:
         """The follower a lookup (``tid``: the caller's thread) or a
         readdir (None) of ``entry``'s name gets; ``entry.current`` is set.
 
-        A free one (no handle, not kept for another thread), the most
-        recently used first; else, unless this thread's open was just
-        refused (the kernel's retry must get one it can open), the most
-        recently used one whose handle reads the newest version (an open
-        through it may well find it free: programs that open a database for
-        each query keep one follower and its page cache); else a new one."""
+        One reserved for this thread, if any; else a free one (no handle,
+        not reserved for another thread), the most recently used first;
+        else, unless this thread's open was just refused, the most recently
+        used one whose handle reads the newest version (an open through it
+        may well find it free: programs that open a database for each query
+        keep one follower and its page cache); else a new one. The lookup
+        of a thread whose open was just refused (the kernel's retry, which
+        must get a follower it can open) reserves what it gets."""
         now = self.clock()
         mine = self._mine(entry)
         chosen = None
@@ -178,7 +184,7 @@ class Followers:
                 return chosen
         if chosen is None:
             chosen = self._create(entry)
-        if tid is not None:
+        if refused:
             chosen.reserved_for, chosen.reserved_until = tid, now + self.reserve_seconds
         return chosen
 
