@@ -5,8 +5,11 @@ docs/BENCHMARKS.md have the figures).
 1. Commit latency of one-row transactions on a 100 MB database, through
    `verneuil` and through the plain unix VFS, in the same run (interleaved
    rounds): with a rollback journal at synchronous=FULL, NORMAL and OFF, and
-   in WAL mode at FULL and NORMAL; median, p99, and the ratio; then each WAL
-   ratio beside the rollback journal's at the same setting.
+   in WAL mode at FULL and NORMAL, with the stager thread (the default) and
+   with the snapshot on the commit path ("WAL/cp"); median, p99, and the
+   ratio; for the stager, how long after a commit began its snapshot was
+   staged (median, p99: the replica's freshness); then each WAL ratio
+   beside the rollback journal's at the same setting.
 2. Time to snapshot a 1 GB database from scratch (full scan, staging every
    chunk, publishing `ready`): seconds and MB/s.
 
@@ -29,8 +32,12 @@ import writer_vfs
 ROW_BYTES = 1000
 # (journal mode, synchronous, transactions per VFS): enough for a stable
 # median at each setting; fast settings get more, since they cost less.
+# "WAL/cp": WAL with the snapshot on the commit path (writer_vfs.set_wal_async).
 LATENCY_RUNS = (("DELETE", "FULL", 600), ("DELETE", "NORMAL", 600), ("DELETE", "OFF", 3000),
-                ("WAL", "FULL", 1500), ("WAL", "NORMAL", 3000))
+                ("WAL", "FULL", 1500), ("WAL", "NORMAL", 3000),
+                ("WAL/cp", "FULL", 600), ("WAL/cp", "NORMAL", 1000))
+# Commits timed from their start to their snapshot staged (wait_staged).
+STAGED_AFTER_COMMITS = 300
 
 
 def make_db(path: str, megabytes: int, row_bytes: int) -> None:
@@ -51,7 +58,27 @@ def percentile(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def one_update(c, rng, rows):
+    c.execute("BEGIN")
+    c.execute("UPDATE t SET v = ? WHERE id = ?", (rng.randbytes(100), rng.randrange(1, rows)))
+    c.execute("COMMIT")
+
+
+def staged_after(conn, rng, rows):
+    """Seconds from a commit's start to its snapshot staged, for
+    STAGED_AFTER_COMMITS commits."""
+    out = []
+    for _ in range(STAGED_AFTER_COMMITS):
+        t0 = time.perf_counter()
+        one_update(conn, rng, rows)
+        assert writer_vfs.wait_staged(conn)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def commit_latency(plain_db, vn_db, journal, sync, rounds, per_round, rng):
+    wal_async = writer_vfs.set_wal_async(journal != "WAL/cp")
+    journal = journal.split("/")[0]
     conns = {
         "unix": sqlite3.connect(plain_db, isolation_level=None),
         "verneuil": writer_vfs.connect(vn_db, isolation_level=None),
@@ -69,16 +96,15 @@ def commit_latency(plain_db, vn_db, journal, sync, rounds, per_round, rng):
         for name in (names if r % 2 == 0 else names[::-1]):
             c = conns[name]
             for _ in range(per_round):
-                payload = rng.randbytes(100)
-                key = rng.randrange(1, rows)
                 t0 = time.perf_counter()
-                c.execute("BEGIN")
-                c.execute("UPDATE t SET v = ? WHERE id = ?", (payload, key))
-                c.execute("COMMIT")
+                one_update(c, rng, rows)
                 times[name].append(time.perf_counter() - t0)
     stats = writer_vfs.stats(conns["verneuil"])
+    if journal == "WAL" and stats["wal_async"]:
+        times["staged"] = staged_after(conns["verneuil"], rng, rows)
     for c in conns.values():
         c.close()
+    writer_vfs.set_wal_async(wal_async)
     return times, stats
 
 
@@ -93,16 +119,18 @@ def latency_table(plain_db, vn_db, size, rng):
         med = {}
         for name, xs in times.items():
             med[name] = statistics.median(xs)
-            print("%-6s %-6s %-9s %10.3f %10.3f %8d" % (journal, sync, name, med[name] * 1e3,
+            label = "staged at" if name == "staged" else name
+            print("%-6s %-6s %-9s %10.3f %10.3f %8d" % (journal, sync, label, med[name] * 1e3,
                                                         percentile(xs, 0.99) * 1e3, len(xs)))
         ratios[journal, sync] = med["verneuil"] / med["unix"]
         print("%-6s %-6s ratio verneuil/unix (median): %.2f   [%s]" % (
             journal, sync, ratios[journal, sync],
             " ".join("%s=%d" % kv for kv in stats.items() if kv[0] in
-                     ("full", "incremental", "unchanged", "failed", "gc", "wal_snapshots"))))
+                     ("full", "incremental", "unchanged", "failed", "gc", "wal_snapshots",
+                      "wal_async", "wal_coalesced", "wal_sync"))))
     for sync in ("FULL", "NORMAL"):
-        print("%-6s WAL ratio %.2f, rollback journal ratio %.2f" % (
-            sync, ratios["WAL", sync], ratios["DELETE", sync]))
+        print("%-6s WAL ratio %.2f (snapshot on the commit path: %.2f), rollback journal ratio %.2f" % (
+            sync, ratios["WAL", sync], ratios["WAL/cp", sync], ratios["DELETE", sync]))
 
 
 def main():
