@@ -12,9 +12,13 @@ docs/BENCHMARKS.md have the figures).
    beside the rollback journal's at the same setting.
 2. Time to snapshot a 1 GB database from scratch (full scan, staging every
    chunk, publishing `ready`): seconds and MB/s.
+3. With --checkpoints only: how often another process's TRUNCATE checkpoint,
+   without a busy timeout, answers busy while a WAL writer commits (plain
+   SQLite, the stager, the snapshot on the commit path), with a pause
+   between commits and without.
 
 Usage: .venv/bin/python scripts/bench_writer.py [--dir DIR] [--spool DIR]
-       [--small] [--latency-only]
+       [--small] [--latency-only | --checkpoints]
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import random
 import shutil
 import sqlite3
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -133,6 +139,60 @@ def latency_table(plain_db, vn_db, size, rng):
             sync, ratios["WAL", sync], ratios["WAL/cp", sync], ratios["DELETE", sync]))
 
 
+# --checkpoints: the writer commits for this long, the checkpointer starts
+# after the first half second and tries every CHECKPOINT_EVERY seconds.
+CHECKPOINT_WRITER_SECONDS = 3.0
+CHECKPOINT_EVERY = 0.01
+CHECKPOINT_WRITER = r"""
+import sqlite3, sys, time, writer_vfs
+mode, spool, db, pause = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+if mode == "plain":
+    c = sqlite3.connect(db, isolation_level=None, timeout=30)
+else:
+    writer_vfs.register(spool)
+    writer_vfs.set_wal_async(mode == "stager")
+    c = writer_vfs.connect(db, isolation_level=None, timeout=30)
+end, n = time.monotonic() + float(sys.argv[5]), 0
+while time.monotonic() < end:
+    c.execute("INSERT OR REPLACE INTO t(id, v) VALUES (?, randomblob(2000))", (n % 300,))
+    n += 1
+    time.sleep(pause)
+print(n)
+"""
+
+
+def checkpoint_busy(work, spool_root):
+    """TRUNCATE checkpoints of another process (timeout=0) against a WAL
+    writer: how many answer busy."""
+    print("TRUNCATE checkpoints of another process without a busy timeout, against a WAL writer")
+    for pause in (0.002, 0.0):
+        for mode in ("plain", "stager", "commit-path"):
+            d = tempfile.mkdtemp(dir=work)
+            db = os.path.join(d, "c.db")
+            setup = sqlite3.connect(db, isolation_level=None)
+            setup.execute("PRAGMA journal_mode=WAL")
+            setup.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
+            setup.close()
+            writer = subprocess.Popen([sys.executable, "-c", CHECKPOINT_WRITER, mode, spool_root, db,
+                                       str(pause), str(CHECKPOINT_WRITER_SECONDS)],
+                                      stdout=subprocess.PIPE, text=True)
+            time.sleep(0.5)
+            ck = sqlite3.connect(db, isolation_level=None, timeout=0)
+            busy = total = 0
+            end = time.monotonic() + CHECKPOINT_WRITER_SECONDS - 1
+            while time.monotonic() < end:
+                try:
+                    busy += ck.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+                except sqlite3.OperationalError:  # SQLITE_BUSY before it started
+                    busy += 1
+                total += 1
+                time.sleep(CHECKPOINT_EVERY)
+            ck.close()
+            commits = writer.communicate(timeout=60)[0].strip()
+            print("pause %.3f s  %-11s commits %6s  checkpoints %4d  busy %4d (%.0f%%)" % (
+                pause, mode, commits, total, busy, 100.0 * busy / max(1, total)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir in /tmp)")
@@ -140,6 +200,8 @@ def main():
     ap.add_argument("--spool", default=None,
                     help="spool root (default: inside the work dir, on the databases' file system)")
     ap.add_argument("--latency-only", action="store_true", help="skip the snapshot from scratch")
+    ap.add_argument("--checkpoints", action="store_true",
+                    help="only measure busy answers of another process's checkpoints")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="bench_writer.", dir=args.dir)
     small_mb, big_mb = (10, 100) if args.small else (100, 1024)
@@ -150,6 +212,9 @@ def main():
             spool_root = tempfile.mkdtemp(prefix="bench_spool.", dir=args.spool)
         spool = writer_vfs.register(spool_root)
         print("databases in %s, spool in %s" % (work, spool))
+        if args.checkpoints:
+            checkpoint_busy(work, spool)
+            return
         plain_db = os.path.join(work, "plain.db")
         vn_db = os.path.join(work, "verneuil.db")
         make_db(plain_db, small_mb, ROW_BYTES)
