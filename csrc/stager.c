@@ -294,7 +294,7 @@ static int in_gap(struct vn_stager *s)
 	return 1;
 }
 
-/* Pins, stages (unless the pinned state is staged already), unpins.  Called
+/* Locks, pins, stages, unpins, unlocks (res->ok -1: no pin).  Called
  * without s->mu; `c` holds the reset seen by the commit path. */
 static void stage_one(struct vn_stager *s, struct vn_wal_commit *c,
     const uint8_t reset_salt[8], struct vn_stage_result *res)

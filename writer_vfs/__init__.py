@@ -180,7 +180,8 @@ def connect(db_path, **kwargs) -> sqlite3.Connection:
 
 
 def stats(conn: sqlite3.Connection) -> dict:
-    """This connection's replication counters (PRAGMA verneuil_stats)."""
+    """This connection's replication counters (PRAGMA verneuil_stats), once
+    its stager thread staged every WAL commit handed to it."""
     row = conn.execute("PRAGMA verneuil_stats").fetchone()
     text = row[0] if row else ""
     out = {}
