@@ -486,3 +486,57 @@ def test_a_continuous_writer_s_wal_is_still_reset(spool, tmp_path):
     s = writer_vfs.stats(conn)
     assert s["wal_sync"] == 0 and s["failed"] == 0 and s["full"] <= 1, s
     conn.close()
+
+
+def test_this_process_s_checkpoints_never_meet_the_stager(spool, tmp_path):
+    """A TRUNCATE checkpoint right after a commit, without a busy timeout, by
+    the committing connection or by one that never writes: this process's
+    stagers of the database are drained first, so it is never busy and
+    empties the WAL."""
+    db = str(tmp_path / "ck.db")
+    a = wal_db(db)
+    a.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
+    a.execute("PRAGMA busy_timeout=0")
+    reader = writer_vfs.connect(db, isolation_level=None, timeout=0)
+    for i in range(20):  # rows of 1 MB: each snapshot takes a few ms
+        a.execute("INSERT OR REPLACE INTO t(id, v) VALUES (?, randomblob(1000000))", (i % 3,))
+        checkpointer = reader if i % 2 else a
+        assert checkpointer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone() == (0, 0, 0)
+        assert os.path.getsize(db + "-wal") == 0
+    assert_staged(db, spool, tmp_path)
+    a.close()
+    reader.close()
+
+
+FORKED = r"""
+import os, sys, writer_vfs
+spool, db, db2 = sys.argv[1:4]
+writer_vfs.register(spool)
+c = writer_vfs.connect(db, isolation_level=None)
+c.execute("PRAGMA journal_mode=WAL")
+c.execute("CREATE TABLE t(v)")
+c.execute("INSERT INTO t VALUES (randomblob(3000))")  # this process's stager runs
+pid = os.fork()
+if pid == 0:  # the child: a connection of its own, a stager of its own
+    d = writer_vfs.connect(db2, isolation_level=None)
+    d.execute("PRAGMA journal_mode=WAL")
+    d.execute("CREATE TABLE t(v)")
+    d.execute("INSERT INTO t VALUES (randomblob(3000))")
+    ok = writer_vfs.wait_staged(d, 10) and writer_vfs.stats(d)["wal_async"] >= 1
+    d.close()
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+c.execute("INSERT INTO t VALUES (randomblob(3000))")
+assert writer_vfs.wait_staged(c, 10)
+c.close()
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_stages_with_a_stager_of_its_own(tmp_path):
+    spool, db, db2 = str(tmp_path / "spool"), str(tmp_path / "p.db"), str(tmp_path / "c.db")
+    out = subprocess.run([sys.executable, "-c", FORKED, spool, db, db2],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert_staged(db, spool, tmp_path)
+    assert_staged(db2, spool, tmp_path)
