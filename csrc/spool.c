@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/uio.h>
@@ -562,6 +563,29 @@ static int walrec_io(struct vn_spool_session *s, uint8_t *buf,
 	}
 	*moved = (size_t)n;
 	return 0;
+}
+
+int vn_spool_lock_wal(struct vn_spool_session *s)
+{
+	int rc = open_walrec(s);
+
+	if (rc != 0)
+		return rc;
+	/* Signals may interrupt the wait: try again (the holder is one
+	 * snapshot, which ends). */
+	while (flock(s->walrec_fd, LOCK_EX) != 0) {
+		if (errno != EINTR) {
+			s->what = "lock staging/wal-position";
+			return errno;
+		}
+	}
+	return 0;
+}
+
+void vn_spool_unlock_wal(struct vn_spool_session *s)
+{
+	if (s->walrec_fd >= 0)
+		flock(s->walrec_fd, LOCK_UN);
 }
 
 int vn_spool_read_walrec(struct vn_spool_session *s, uint8_t *buf, size_t cap,

@@ -10,7 +10,8 @@
  * previous boot is never trusted.
  *
  * Callers (tracker.c) hold SQLite's SHARED lock on the database while they
- * use a session: that is the only synchronisation between writers.
+ * use a session, and for a WAL database vn_spool_lock_wal() too: that is the
+ * only synchronisation between writers.
  *
  * Functions return 0 on success or an errno value, and record in
  * session->what which operation failed, for the log.
@@ -148,12 +149,24 @@ int vn_spool_publish_ready(struct vn_spool_session *s,
  * staging/wal-position: a WAL database's record of what its staged manifest
  * stands for (walrec.h), private to writers (copiers never read it).  It is
  * one small fixed-size record, rewritten in place with one pwrite (a torn
- * one fails its hash), by writers holding SQLite's WAL write lock or an
- * exclusive lock on the database, so never two at once.  Read: 0 and the
+ * one fails its hash), by writers holding vn_spool_lock_wal() (and SQLite's
+ * WAL write lock, a WAL read mark or an exclusive lock on the database), so
+ * never two at once.  Read: 0 and the
  * bytes (*len 0: none yet), or an errno value.
  */
 int vn_spool_read_walrec(struct vn_spool_session *s, uint8_t *buf, size_t cap,
     size_t *len);
+
+/*
+ * Serialises a WAL database's snapshots between its writers (connections
+ * and processes): an exclusive flock(2) on staging/wal-position through this
+ * session's own descriptor, held for one snapshot.  A writer's stager thread
+ * (stager.h) takes it before pinning the state it snapshots, and the commit
+ * path under the WAL write lock takes it too, so snapshots are published in
+ * commit order.  0 or an errno value.
+ */
+int vn_spool_lock_wal(struct vn_spool_session *s);
+void vn_spool_unlock_wal(struct vn_spool_session *s);
 int vn_spool_write_walrec(struct vn_spool_session *s, const uint8_t *buf,
     size_t len);
 

@@ -1494,6 +1494,32 @@ enum vn_snapshot_result vn_tracker_snapshot_wal(struct vn_tracker *t,
 	return VN_SNAPSHOT_DONE;
 }
 
+int vn_tracker_wal_lock(struct vn_tracker *t)
+{
+	int rc;
+
+	if (!t->spool_ok)
+		return -1;
+	if (!vn_spool_session_valid(&t->session)) {
+		vn_spool_close(&t->session);
+		t->staged_valid = 0;
+		if (vn_spool_open(&t->spool, &t->session) != 0)
+			return -1;
+	}
+	rc = vn_spool_lock_wal(&t->session);
+	if (rc != 0) {
+		vn_log(SQLITE_NOTICE, "verneuil: %s: %s: %s", t->path,
+		    t->session.what, strerror(rc));
+		return -1;
+	}
+	return 0;
+}
+
+void vn_tracker_wal_unlock(struct vn_tracker *t)
+{
+	vn_spool_unlock_wal(&t->session);
+}
+
 int vn_tracker_wal_intact(struct vn_tracker *t, const struct vn_wal_pos *end)
 {
 	struct vn_wal *w = &t->wal;

@@ -18,7 +18,9 @@
  * when the WAL's last connection closes it, while no other writer can append
  * to the WAL or reset it.
  *
- * All of it runs on the connection's thread, under SQLite's locks.
+ * All of it runs on the connection's thread, under SQLite's locks, or on
+ * the connection's stager thread (stager.h) while the connection's thread
+ * leaves the tracker alone.
  */
 #ifndef VN_TRACKER_H
 #define VN_TRACKER_H
@@ -218,6 +220,16 @@ struct vn_wal_commit {
 enum vn_snapshot_result vn_tracker_snapshot_wal(struct vn_tracker *t,
     sqlite3_file *db, const struct vn_wal_commit *c,
     const struct vn_snapshot_config *config, struct vn_wal_pos *done);
+
+/*
+ * Takes the spool's lock on the database's WAL snapshots (vn_spool_lock_wal:
+ * one snapshot at a time among all its writers, in commit order), opening
+ * the spool session if needed: 0, or -1 (logged) when the spool or the lock
+ * cannot be had.  The lock goes with the session: held until
+ * vn_tracker_wal_unlock().
+ */
+int vn_tracker_wal_lock(struct vn_tracker *t);
+void vn_tracker_wal_unlock(struct vn_tracker *t);
 
 /* Whether the WAL still holds, as committed, every frame up to `end`, each
  * verified again from its header (the index is read anew). */

@@ -15,6 +15,9 @@
  *   PRAGMA verneuil_spool_dir;      this database's spool directory
  *   PRAGMA verneuil_no_xattr;       test hook: act as if the file system
  *                                   had no user xattrs (always rebuild)
+ *   PRAGMA verneuil_wait_staged[=ms]; waits until this connection's WAL
+ *                                   commits are staged: "ok" or "timeout"
+ *                                   (at most a minute)
  */
 #ifndef VERNEUIL_VFS_H
 #define VERNEUIL_VFS_H
@@ -96,6 +99,23 @@ void verneuil_vfs_set_gc_weight(double weight);
  * nothing) for a count out of range.
  */
 int verneuil_vfs_set_bundle_chunks(int n);
+
+/*
+ * WAL commits (shared memory) are staged by a thread of the connection, off
+ * the commit path (docs/WRITER.md, "The stager"): on by default.  Off, they
+ * are snapshotted on the commit path, before the WAL write lock is released
+ * (connections whose stager started keep it).  Returns the previous setting.
+ */
+int verneuil_vfs_set_wal_async(int on);
+
+/*
+ * Waits until every commit handed to a stager thread of this process is
+ * staged: 0, or -1 after timeout_ms milliseconds.  Tools and tests that read
+ * the spool right after a commit call it (a connection's own: PRAGMA
+ * verneuil_wait_staged).  At process exit the library waits the same way,
+ * for at most 5 s.
+ */
+int verneuil_vfs_wait_staged(int timeout_ms);
 
 /* Also copy every log message to stderr (for debugging). */
 void verneuil_vfs_set_log_stderr(int on);

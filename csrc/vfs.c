@@ -15,8 +15,18 @@
  * the WAL write lock (xShmLock, slot 0, exclusive) on the main file; its
  * release ends every write transaction, checkpoint or recovery that held it.
  * Before forwarding that release we read the wal-index header, and if it
- * names another state than the staged snapshot's, snapshot it (nobody can
- * append to the WAL or reset it meanwhile).  With locking_mode=EXCLUSIVE
+ * names another state than the one last handed over, hand it to the
+ * connection's stager thread (stager.h), which pins a committed state with
+ * a WAL read mark of its own and snapshots it off the commit path.  Where
+ * pinning is not possible (no thread-safe SQLite, the side file does not
+ * open, no read mark obtained) the commit is snapshotted right there, before
+ * the release (nobody can append to the WAL or reset it meanwhile).  Before
+ * the connection's thread uses the tracker again (closing, leaving WAL,
+ * pragmas) it drains the stager; before a WAL reset may follow (the
+ * wal-index says every frame is in the file) or a checkpoint that waits for
+ * readers, it has the stager stage the newest state now, so that the reset
+ * keeps the next snapshot incremental and the checkpoint never meets our
+ * pin.  With locking_mode=EXCLUSIVE
  * SQLite takes no shm lock: the commit is SQLITE_FCNTL_COMMIT_PHASETWO,
  * which SQLite sends after each commit, under the exclusive lock on the file.
  * When the last connection closes the WAL (a complete checkpoint under the
@@ -53,6 +63,7 @@ SQLITE_EXTENSION_INIT1
 
 #include "config.h"
 #include "log.h"
+#include "stager.h"
 #include "tracker.h"
 #include "verneuil_vfs.h"
 
@@ -87,6 +98,8 @@ struct vn_config {
 	size_t bundle_chunks;
 	uint64_t max_db_size;  /* files past it are not replicated */
 	struct vn_keys keys;   /* immutable once initialised */
+	int wal_async;         /* WAL commits staged by a stager thread; read
+				* without the mutex (__atomic) */
 };
 
 static struct vn_config vn_config = {
@@ -94,6 +107,7 @@ static struct vn_config vn_config = {
 	.gc_weight = VN_GC_WEIGHT_DEFAULT,
 	.bundle_chunks = VN_BUNDLE_CHUNKS_DEFAULT,
 	.max_db_size = VN_MAX_DB_SIZE,
+	.wal_async = 1,
 };
 
 /* State of one wrapped main database file. */
@@ -122,6 +136,20 @@ struct vn_db {
 	/* WAL, locking_mode=EXCLUSIVE: `last` is the state before the next
 	 * transaction, since the exclusive lock was held since (excl_trusted). */
 	int excl_trusted;
+	/*
+	 * WAL, shared memory: the stager thread (NULL: none yet, or async_off:
+	 * commits are snapshotted on the commit path), the position last
+	 * handed to it (handed_ok), whether this connection holds the
+	 * checkpoint lock, and the commits snapshotted on the commit path.
+	 * While the stager may run, it alone uses the tracker, `last`,
+	 * `last_ok` and `split`.
+	 */
+	struct vn_stager *stager;
+	int async_off;
+	int handed_ok;
+	struct vn_wal_pos handed;
+	int ckpt_hold;
+	uint64_t wal_sync;
 	struct vn_tracker tracker;
 };
 
@@ -136,6 +164,27 @@ struct vn_file {
 
 static void wal_commit(sqlite3_file *f, struct vn_db *db,
     const struct vn_wal_commit *c);
+
+/* The stager is idle: the tracker is the connection thread's again.  No
+ * bound: the wait is for one snapshot, which the commit path would have
+ * taken (vn_stager_drain logs a long one). */
+static void drain(struct vn_db *db)
+{
+	if (db != NULL && db->stager != NULL)
+		vn_stager_drain(db->stager, -1);
+}
+
+/* No stager any more (its last handed commit staged): the WAL is being
+ * closed or left, or the file is. */
+static void stop_stager(struct vn_db *db)
+{
+	if (db != NULL && db->stager != NULL) {
+		vn_stager_stop(db->stager);
+		db->stager = NULL;
+	}
+	if (db != NULL)
+		db->handed_ok = 0;
+}
 
 /* ---- io methods --------------------------------------------------------- */
 
@@ -162,7 +211,7 @@ static void wal_closed(sqlite3_file *f, struct vn_db *db,
 	gone = wal != NULL && access(wal, F_OK) != 0 && errno == ENOENT;
 	sqlite3_free(wal);
 	if (gone)
-		wal_commit(f, db, &c);
+		wal_commit(REAL(f), db, &c);
 }
 
 static int vn_close(sqlite3_file *f)
@@ -170,6 +219,7 @@ static int vn_close(sqlite3_file *f)
 	struct vn_db *db = DB(f);
 	int rc;
 
+	stop_stager(db);
 	/* locking_mode=EXCLUSIVE: no unlock before the close. */
 	if (db != NULL && db->wal && db->lock >= SQLITE_LOCK_EXCLUSIVE)
 		wal_closed(f, db, db->excl_trusted && db->last_ok ?
@@ -229,7 +279,14 @@ static int vn_file_size(sqlite3_file *f, sqlite3_int64 *size)
 static int vn_lock(sqlite3_file *f, int level)
 {
 	struct vn_db *db = DB(f);
-	int rc = REAL(f)->pMethods->xLock(REAL(f), level);
+	int rc;
+
+	/* Past SHARED in WAL mode: closing the WAL, leaving it, or
+	 * locking_mode=EXCLUSIVE; the stager then holds no lock of its own
+	 * that would refuse ours, and the tracker is ours again. */
+	if (level > SQLITE_LOCK_SHARED)
+		drain(db);
+	rc = REAL(f)->pMethods->xLock(REAL(f), level);
 
 	if (rc != SQLITE_OK || db == NULL || level <= db->lock)
 		return rc;
@@ -355,14 +412,72 @@ static int vn_check_reserved_lock(sqlite3_file *f, int *out)
 	return REAL(f)->pMethods->xCheckReservedLock(REAL(f), out);
 }
 
+/* Longest PRAGMA verneuil_wait_staged may ask to wait: a minute, far more
+ * than a snapshot takes, short enough to notice a stuck file system. */
+#define VN_WAIT_STAGED_MAX_MS 60000
+
+/* PRAGMA verneuil_wait_staged[=ms]: waits (default and most:
+ * VN_WAIT_STAGED_MAX_MS) until every commit of this connection is staged. */
+static char *wait_staged(struct vn_db *db, const char *arg)
+{
+	long long ms = arg != NULL ? strtoll(arg, NULL, 10) : VN_WAIT_STAGED_MAX_MS;
+
+	if (ms < 0 || ms > VN_WAIT_STAGED_MAX_MS)
+		ms = VN_WAIT_STAGED_MAX_MS;
+	if (db == NULL)
+		return sqlite3_mprintf("not replicated");
+	if (db->stager != NULL && vn_stager_drain(db->stager, ms) != 0)
+		return sqlite3_mprintf("timeout");
+	return sqlite3_mprintf("ok");
+}
+
+static char *stats_line(struct vn_db *db)
+{
+	const struct vn_tracker_stats *s = &db->tracker.stats;
+	struct vn_stager_stats a;
+
+	vn_stager_stats(db->stager, &a);
+	return sqlite3_mprintf("full=%llu incremental=%llu "
+	    "unchanged=%llu failed=%llu hot_journal=%llu "
+	    "verify_mismatch=%llu ready=%llu gc=%llu gc_removed=%llu "
+	    "staged=%llu bundled=%llu low_space=%llu too_large=%llu "
+	    "wal=%d wal_snapshots=%llu wal_frames=%llu wal_unreplicated=%d "
+	    "no_xattr=%d wal_async=%llu wal_coalesced=%llu wal_sync=%llu",
+	    (unsigned long long)s->full,
+	    (unsigned long long)s->incremental,
+	    (unsigned long long)s->unchanged,
+	    (unsigned long long)s->failed,
+	    (unsigned long long)s->hot_journal,
+	    (unsigned long long)s->verify_mismatch,
+	    (unsigned long long)s->ready, (unsigned long long)s->gc,
+	    (unsigned long long)s->gc_removed,
+	    (unsigned long long)s->staged,
+	    (unsigned long long)s->bundled,
+	    (unsigned long long)s->low_space,
+	    (unsigned long long)s->too_large, db->wal,
+	    (unsigned long long)s->wal,
+	    (unsigned long long)s->wal_frames, db->shm_above || db->split,
+	    db->tracker.no_xattr, (unsigned long long)a.async,
+	    (unsigned long long)a.coalesced,
+	    (unsigned long long)db->wal_sync);
+}
+
 static int pragma(sqlite3_file *f, char **args)
 {
 	struct vn_db *db = DB(f);
 	const char *name = args[1];
 
+	if (strcasecmp(name, "verneuil_wait_staged") == 0) {
+		args[0] = wait_staged(db, args[2]);
+		return SQLITE_OK;
+	}
+	if (strncasecmp(name, "verneuil_", 9) == 0)
+		drain(db); /* ours: the tracker is this thread's again */
 	if (strcasecmp(name, "verneuil_full_snapshot") == 0) {
-		if (db != NULL)
+		if (db != NULL) {
 			db->tracker.force_full = 1;
+			db->handed_ok = 0;
+		}
 		args[0] = sqlite3_mprintf("%s", db != NULL ? "ok" : "not replicated");
 		return SQLITE_OK;
 	}
@@ -374,34 +489,8 @@ static int pragma(sqlite3_file *f, char **args)
 		return SQLITE_OK;
 	}
 	if (strcasecmp(name, "verneuil_stats") == 0) {
-		const struct vn_tracker_stats *s;
-
-		if (db == NULL) {
-			args[0] = sqlite3_mprintf("not replicated");
-			return SQLITE_OK;
-		}
-		s = &db->tracker.stats;
-		args[0] = sqlite3_mprintf("full=%llu incremental=%llu "
-		    "unchanged=%llu failed=%llu hot_journal=%llu "
-		    "verify_mismatch=%llu ready=%llu gc=%llu gc_removed=%llu "
-		    "staged=%llu bundled=%llu low_space=%llu too_large=%llu "
-		    "wal=%d wal_snapshots=%llu wal_frames=%llu wal_unreplicated=%d "
-		    "no_xattr=%d",
-		    (unsigned long long)s->full,
-		    (unsigned long long)s->incremental,
-		    (unsigned long long)s->unchanged,
-		    (unsigned long long)s->failed,
-		    (unsigned long long)s->hot_journal,
-		    (unsigned long long)s->verify_mismatch,
-		    (unsigned long long)s->ready, (unsigned long long)s->gc,
-		    (unsigned long long)s->gc_removed,
-		    (unsigned long long)s->staged,
-		    (unsigned long long)s->bundled,
-		    (unsigned long long)s->low_space,
-		    (unsigned long long)s->too_large, db->wal,
-		    (unsigned long long)s->wal,
-		    (unsigned long long)s->wal_frames, db->shm_above || db->split,
-		    db->tracker.no_xattr);
+		args[0] = db == NULL ? sqlite3_mprintf("not replicated") :
+		    stats_line(db);
 		return SQLITE_OK;
 	}
 	if (strcasecmp(name, "verneuil_spool_dir") == 0) {
@@ -418,14 +507,17 @@ static int pragma(sqlite3_file *f, char **args)
  * once, on stderr and in the log): its replicas stay where they are. */
 static void not_replicated(struct vn_db *db, const char *why)
 {
-	db->wal = 1;
+	if (!db->wal)
+		db->wal = 1;
 	announce_db(db);
 	vn_warn("verneuil: %s: %s: it is NOT replicated", db->canon, why);
 }
 
-/* A WAL commit, seen under the WAL write lock (c->have_end) or the
- * exclusive lock on the file: the snapshot, remembered as `last`. */
-static void wal_commit(sqlite3_file *f, struct vn_db *db,
+/* A WAL commit, seen under the WAL write lock (c->have_end), the exclusive
+ * lock on the file, or pinned by the stager: the snapshot, read through
+ * `file`, remembered as `last`.  The caller holds the spool's lock on the
+ * database's snapshots (vn_tracker_wal_lock), or could not have it. */
+static void wal_commit_locked(sqlite3_file *file, struct vn_db *db,
     const struct vn_wal_commit *c)
 {
 	struct vn_snapshot_config sc;
@@ -435,7 +527,7 @@ static void wal_commit(sqlite3_file *f, struct vn_db *db,
 	if (db->split)
 		return;
 	snapshot_config(&sc);
-	res = vn_tracker_snapshot_wal(&db->tracker, REAL(f), c, &sc, &db->last);
+	res = vn_tracker_snapshot_wal(&db->tracker, file, c, &sc, &db->last);
 	db->last_ok = res == VN_SNAPSHOT_DONE;
 	if (res == VN_SNAPSHOT_SPLIT) {
 		db->split = 1;
@@ -443,6 +535,110 @@ static void wal_commit(sqlite3_file *f, struct vn_db *db,
 		    "database is spread over several files by another VFS "
 		    "layered above verneuil (SQLite's multiplexor does)");
 	}
+}
+
+/* The same on the connection's thread, under SQLite's locks: the spool's
+ * lock too (a stager of another connection may be staging), or without it
+ * when it cannot be had (SQLite's lock orders these snapshots). */
+static void wal_commit(sqlite3_file *file, struct vn_db *db,
+    const struct vn_wal_commit *c)
+{
+	int locked = vn_tracker_wal_lock(&db->tracker) == 0;
+
+	wal_commit_locked(file, db, c);
+	if (locked)
+		vn_tracker_wal_unlock(&db->tracker);
+}
+
+/* The stager's work: a pinned committed state, the database read through
+ * the side file, under the spool's lock on the database's snapshots. */
+static int stage_lock(void *arg)
+{
+	return vn_tracker_wal_lock(&((struct vn_db *)arg)->tracker);
+}
+
+static void stage_pinned(void *arg, sqlite3_file *side,
+    const struct vn_wal_commit *c, struct vn_stage_result *out)
+{
+	struct vn_db *db = arg;
+
+	wal_commit_locked(side, db, c);
+	out->ok = db->last_ok;
+	out->done = db->last;
+}
+
+static void stage_unlock(void *arg)
+{
+	vn_tracker_wal_unlock(&((struct vn_db *)arg)->tracker);
+}
+
+static const struct vn_stage_ops stage_ops = {
+	.lock = stage_lock,
+	.stage = stage_pinned,
+	.unlock = stage_unlock,
+};
+
+/* Value of (uintptr_t)sqlite3_mutex_alloc() when SQLite runs without
+ * mutexes (SQLITE_CONFIG_SINGLETHREAD: its no-op mutexes), as src/mutex_noop.c
+ * returns it.  The unix VFS then guards no shared-memory call, and a second
+ * thread of ours must not make any. */
+#define VN_NOOP_MUTEX ((uintptr_t)8)
+
+static int sqlite_has_mutexes(void)
+{
+	sqlite3_mutex *m;
+	int on;
+
+	if (!sqlite3_threadsafe())
+		return 0;
+	m = sqlite3_mutex_alloc(SQLITE_MUTEX_FAST);
+	if (m == NULL)
+		return 0;
+	on = (uintptr_t)m != VN_NOOP_MUTEX;
+	if (on)
+		sqlite3_mutex_free(m);
+	return on;
+}
+
+/*
+ * Hands the commit c->end to the stager (started at the first commit): 0,
+ * or -1 when the commit path must snapshot it (no stager possible, or it
+ * failed).  A position already handed over is not handed again.
+ */
+static int hand_over(struct vn_db *db, const struct vn_wal_commit *c)
+{
+	const struct vn_wal_pos *reset = NULL;
+
+	if (db->async_off ||
+	    !__atomic_load_n(&vn_config.wal_async, __ATOMIC_RELAXED))
+		return -1;
+	if (db->stager == NULL) {
+		if (sqlite_has_mutexes())
+			db->stager = vn_stager_start(vn_config.base, db->name,
+			    db->canon, &stage_ops, db);
+		if (db->stager == NULL) {
+			db->async_off = 1;
+			vn_log(SQLITE_NOTICE, "verneuil: %s: no stager thread; "
+			    "WAL commits are snapshotted on the commit path",
+			    db->canon);
+			return -1;
+		}
+	}
+	if (db->handed_ok && !vn_wal_salt_none(c->end.salt) &&
+	    vn_wal_pos_equal(&c->end, &db->handed))
+		return 0;
+	/* This writer reset the WAL under its write lock: the file was the
+	 * state where the lock began (judge_wal in tracker.c). */
+	if (c->have_start && memcmp(c->start.salt, c->end.salt,
+	    sizeof(c->end.salt)) != 0)
+		reset = &c->start;
+	if (vn_stager_hand(db->stager, &c->end, reset) != 0) {
+		db->async_off = 1;
+		return -1;
+	}
+	db->handed = c->end;
+	db->handed_ok = 1;
+	return 0;
 }
 
 /* The WAL write lock is about to be released (shared memory). */
@@ -454,6 +650,9 @@ static void wal_unlocking(sqlite3_file *f, struct vn_db *db)
 	db->wal_hold = 0;
 	if (vn_walindex_read(db->shm0, &c.end) != 0)
 		return; /* no valid header: nothing committed to read */
+	if (hand_over(db, &c) == 0)
+		return;
+	drain(db); /* a stager turned off or failed: the tracker is ours */
 	/* A rolled-back transaction, a checkpoint or a recovery that changed
 	 * nothing: the state this connection snapshotted last.  Not so with
 	 * no WAL generation: the state is then the file, which may change
@@ -462,7 +661,8 @@ static void wal_unlocking(sqlite3_file *f, struct vn_db *db)
 	    !vn_wal_salt_none(c.end.salt) &&
 	    vn_wal_pos_equal(&c.end, &db->last))
 		return;
-	wal_commit(f, db, &c);
+	db->wal_sync++;
+	wal_commit(REAL(f), db, &c);
 }
 
 /* The switch to WAL just committed (a rollback-journal transaction rewrote
@@ -523,7 +723,7 @@ static void commit_phase_two(sqlite3_file *f, struct vn_db *db)
 	db->wal = 1;
 	c.have_start = db->excl_trusted && db->last_ok;
 	c.start = db->last;
-	wal_commit(f, db, &c);
+	wal_commit(REAL(f), db, &c);
 	db->excl_trusted = db->last_ok;
 }
 
@@ -534,6 +734,7 @@ static int vn_file_control(sqlite3_file *f, int op, void *arg)
 	if (op == SQLITE_FCNTL_PRAGMA)
 		return pragma(f, (char **)arg);
 	if (op == VERNEUIL_FCNTL_WAL_UNREPLICATED) {
+		drain(db);
 		*(int *)arg = db != NULL && (db->shm_above || db->split);
 		return SQLITE_OK;
 	}
@@ -566,8 +767,26 @@ static int vn_shm_map(sqlite3_file *f, int pg, int pgsz, int extend,
 	return rc;
 }
 
-/* Whether a shm lock range holds slot 0, SQLite's WAL write lock. */
+/* Whether a shm lock range holds slot 0, SQLite's WAL write lock, or slot
+ * 1, the checkpointer's. */
 #define HOLDS_WRITE_LOCK(offset, n) ((offset) <= 0 && (offset) + (n) > 0)
+#define HOLDS_CKPT_LOCK(offset, n) ((offset) <= 1 && (offset) + (n) > 1)
+
+/*
+ * The WAL write lock was just taken.  If a WAL reset may follow (every frame
+ * is in the file) or this is a checkpoint that waits for readers (FULL,
+ * RESTART, TRUNCATE: the checkpoint lock, then the write lock), the stager
+ * stages the newest state now: no commit can come meanwhile, the reset
+ * then finds the staged snapshot at the state it starts from (the next
+ * snapshot is incremental), and neither meets our pin.
+ */
+static void write_locked(struct vn_db *db)
+{
+	db->hold_start_ok = vn_walindex_read(db->shm0, &db->hold_start) == 0;
+	if (db->stager != NULL && db->hold_start_ok && (db->ckpt_hold ||
+	    vn_walindex_backfilled(db->shm0, &db->hold_start)))
+		vn_stager_stage_now(db->stager, &db->hold_start);
+}
 
 static int vn_shm_lock(sqlite3_file *f, int offset, int n, int flags)
 {
@@ -577,13 +796,24 @@ static int vn_shm_lock(sqlite3_file *f, int offset, int n, int flags)
 	if (db != NULL && db->wal_hold && HOLDS_WRITE_LOCK(offset, n) &&
 	    flags == (SQLITE_SHM_UNLOCK | SQLITE_SHM_EXCLUSIVE))
 		wal_unlocking(f, db);
+	/* A checkpoint starts (autocheckpoints included): this process's
+	 * stagers of the database finish first, so that it copies every frame
+	 * as if they were not there (one staging's wait, once per checkpoint;
+	 * an autocheckpoint then completes and the WAL is reset, whatever the
+	 * commit rate). */
+	if (db != NULL && db->shm0 != NULL && HOLDS_CKPT_LOCK(offset, n) &&
+	    flags == (SQLITE_SHM_LOCK | SQLITE_SHM_EXCLUSIVE))
+		vn_stagers_drain_file(db->canon);
 	rc = REAL(f)->pMethods->xShmLock(REAL(f), offset, n, flags);
-	if (db != NULL && rc == SQLITE_OK && HOLDS_WRITE_LOCK(offset, n) &&
-	    flags == (SQLITE_SHM_LOCK | SQLITE_SHM_EXCLUSIVE)) {
+	if (db == NULL || rc != SQLITE_OK ||
+	    (flags & SQLITE_SHM_EXCLUSIVE) == 0)
+		return rc;
+	if (HOLDS_CKPT_LOCK(offset, n))
+		db->ckpt_hold = (flags & SQLITE_SHM_LOCK) != 0;
+	if (HOLDS_WRITE_LOCK(offset, n) && (flags & SQLITE_SHM_LOCK) != 0) {
 		db->wal_hold = 1;
 		db->excl_trusted = 0;
-		db->hold_start_ok =
-		    vn_walindex_read(db->shm0, &db->hold_start) == 0;
+		write_locked(db);
 	}
 	return rc;
 }
@@ -611,7 +841,7 @@ static void wal_checkpointed(sqlite3_file *f, struct vn_db *db)
 	if (db->split || vn_walindex_read(db->shm0, &c.start) != 0)
 		return;
 	c.have_start = vn_tracker_wal_intact(&db->tracker, &c.start);
-	wal_commit(f, db, &c);
+	wal_commit(REAL(f), db, &c);
 }
 
 static int vn_shm_unmap(sqlite3_file *f, int delete_flag)
@@ -619,6 +849,7 @@ static int vn_shm_unmap(sqlite3_file *f, int delete_flag)
 	struct vn_db *db = DB(f);
 
 	if (db != NULL) {
+		stop_stager(db);
 		/* SQLite unmaps to delete the WAL after a complete checkpoint
 		 * (under an exclusive lock on the file), or to close. */
 		if (delete_flag)
@@ -883,6 +1114,18 @@ int verneuil_vfs_register(const char *spool_dir, int make_default)
 		vn_log(SQLITE_NOTICE, "verneuil: no replication_spooling_dir "
 		    "configured; the verneuil VFS does not replicate");
 	return rc;
+}
+
+int verneuil_vfs_set_wal_async(int on)
+{
+	return __atomic_exchange_n(&vn_config.wal_async, on != 0,
+	    __ATOMIC_RELAXED);
+}
+
+int verneuil_vfs_wait_staged(int timeout_ms)
+{
+	return vn_stagers_drain_all(timeout_ms < 0 ? 0 : timeout_ms) == 0 ?
+	    0 : -1;
 }
 
 void verneuil_vfs_set_gc_weight(double weight)

@@ -95,8 +95,13 @@ int vn_walindex_read(const volatile void *region0, struct vn_wal_pos *pos)
 
 	if (region0 == NULL)
 		return -1;
-	/* The caller holds the write lock: nobody changes it while we copy. */
-	memcpy(h, (const void *)region0, sizeof(h));
+	/* Copy 0, then copy 1: a writer writes them in the other order (SQLite's
+	 * walIndexTryHdr), so equal copies are not a torn update even without
+	 * the write lock. */
+	memcpy(&h[0], (const void *)region0, sizeof(h[0]));
+	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+	memcpy(&h[1], (const void *)((const volatile uint8_t *)region0 +
+	    sizeof(h[0])), sizeof(h[1]));
 	if (memcmp(&h[0], &h[1], sizeof(h[0])) != 0 || !h[0].is_init ||
 	    h[0].version != VN_WALINDEX_VERSION)
 		return -1;

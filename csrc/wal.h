@@ -65,8 +65,8 @@ int vn_wal_salt_none(const uint8_t salt[8]);
 /*
  * The wal-index header at the start of shared-memory region 0, as SQLite
  * publishes it: 0 and *pos, or -1 if it is not a valid header (never
- * initialised, being recovered, of another version).  Call it with the
- * WAL write lock held, or expect -1 while a writer updates it.
+ * initialised, being recovered, of another version).  Without the WAL
+ * write lock, expect -1 while a writer updates it (its two copies differ).
  */
 int vn_walindex_read(const volatile void *region0, struct vn_wal_pos *pos);
 

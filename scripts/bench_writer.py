@@ -5,13 +5,20 @@ docs/BENCHMARKS.md have the figures).
 1. Commit latency of one-row transactions on a 100 MB database, through
    `verneuil` and through the plain unix VFS, in the same run (interleaved
    rounds): with a rollback journal at synchronous=FULL, NORMAL and OFF, and
-   in WAL mode at FULL and NORMAL; median, p99, and the ratio; then each WAL
-   ratio beside the rollback journal's at the same setting.
+   in WAL mode at FULL and NORMAL, with the stager thread (the default) and
+   with the snapshot on the commit path ("WAL/cp"); median, p99, and the
+   ratio; for the stager, how long after a commit began its snapshot was
+   staged (median, p99: the replica's freshness); then each WAL ratio
+   beside the rollback journal's at the same setting.
 2. Time to snapshot a 1 GB database from scratch (full scan, staging every
    chunk, publishing `ready`): seconds and MB/s.
+3. With --checkpoints only: how often another process's TRUNCATE checkpoint,
+   without a busy timeout, answers busy while a WAL writer commits (plain
+   SQLite, the stager, the snapshot on the commit path), with a pause
+   between commits and without.
 
 Usage: .venv/bin/python scripts/bench_writer.py [--dir DIR] [--spool DIR]
-       [--small] [--latency-only]
+       [--small] [--latency-only | --checkpoints]
 """
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ import random
 import shutil
 import sqlite3
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -29,8 +38,12 @@ import writer_vfs
 ROW_BYTES = 1000
 # (journal mode, synchronous, transactions per VFS): enough for a stable
 # median at each setting; fast settings get more, since they cost less.
+# "WAL/cp": WAL with the snapshot on the commit path (writer_vfs.set_wal_async).
 LATENCY_RUNS = (("DELETE", "FULL", 600), ("DELETE", "NORMAL", 600), ("DELETE", "OFF", 3000),
-                ("WAL", "FULL", 1500), ("WAL", "NORMAL", 3000))
+                ("WAL", "FULL", 1500), ("WAL", "NORMAL", 3000),
+                ("WAL/cp", "FULL", 600), ("WAL/cp", "NORMAL", 1000))
+# Commits timed from their start to their snapshot staged (wait_staged).
+STAGED_AFTER_COMMITS = 300
 
 
 def make_db(path: str, megabytes: int, row_bytes: int) -> None:
@@ -51,7 +64,27 @@ def percentile(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def one_update(c, rng, rows):
+    c.execute("BEGIN")
+    c.execute("UPDATE t SET v = ? WHERE id = ?", (rng.randbytes(100), rng.randrange(1, rows)))
+    c.execute("COMMIT")
+
+
+def staged_after(conn, rng, rows):
+    """Seconds from a commit's start to its snapshot staged, for
+    STAGED_AFTER_COMMITS commits."""
+    out = []
+    for _ in range(STAGED_AFTER_COMMITS):
+        t0 = time.perf_counter()
+        one_update(conn, rng, rows)
+        assert writer_vfs.wait_staged(conn)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def commit_latency(plain_db, vn_db, journal, sync, rounds, per_round, rng):
+    wal_async = writer_vfs.set_wal_async(journal != "WAL/cp")
+    journal = journal.split("/")[0]
     conns = {
         "unix": sqlite3.connect(plain_db, isolation_level=None),
         "verneuil": writer_vfs.connect(vn_db, isolation_level=None),
@@ -69,16 +102,15 @@ def commit_latency(plain_db, vn_db, journal, sync, rounds, per_round, rng):
         for name in (names if r % 2 == 0 else names[::-1]):
             c = conns[name]
             for _ in range(per_round):
-                payload = rng.randbytes(100)
-                key = rng.randrange(1, rows)
                 t0 = time.perf_counter()
-                c.execute("BEGIN")
-                c.execute("UPDATE t SET v = ? WHERE id = ?", (payload, key))
-                c.execute("COMMIT")
+                one_update(c, rng, rows)
                 times[name].append(time.perf_counter() - t0)
     stats = writer_vfs.stats(conns["verneuil"])
+    if journal == "WAL" and stats["wal_async"]:
+        times["staged"] = staged_after(conns["verneuil"], rng, rows)
     for c in conns.values():
         c.close()
+    writer_vfs.set_wal_async(wal_async)
     return times, stats
 
 
@@ -93,16 +125,72 @@ def latency_table(plain_db, vn_db, size, rng):
         med = {}
         for name, xs in times.items():
             med[name] = statistics.median(xs)
-            print("%-6s %-6s %-9s %10.3f %10.3f %8d" % (journal, sync, name, med[name] * 1e3,
+            label = "staged at" if name == "staged" else name
+            print("%-6s %-6s %-9s %10.3f %10.3f %8d" % (journal, sync, label, med[name] * 1e3,
                                                         percentile(xs, 0.99) * 1e3, len(xs)))
         ratios[journal, sync] = med["verneuil"] / med["unix"]
         print("%-6s %-6s ratio verneuil/unix (median): %.2f   [%s]" % (
             journal, sync, ratios[journal, sync],
             " ".join("%s=%d" % kv for kv in stats.items() if kv[0] in
-                     ("full", "incremental", "unchanged", "failed", "gc", "wal_snapshots"))))
+                     ("full", "incremental", "unchanged", "failed", "gc", "wal_snapshots",
+                      "wal_async", "wal_coalesced", "wal_sync"))))
     for sync in ("FULL", "NORMAL"):
-        print("%-6s WAL ratio %.2f, rollback journal ratio %.2f" % (
-            sync, ratios["WAL", sync], ratios["DELETE", sync]))
+        print("%-6s WAL ratio %.2f (snapshot on the commit path: %.2f), rollback journal ratio %.2f" % (
+            sync, ratios["WAL", sync], ratios["WAL/cp", sync], ratios["DELETE", sync]))
+
+
+# --checkpoints: the writer commits for this long, the checkpointer starts
+# after the first half second and tries every CHECKPOINT_EVERY seconds.
+CHECKPOINT_WRITER_SECONDS = 3.0
+CHECKPOINT_EVERY = 0.01
+CHECKPOINT_WRITER = r"""
+import sqlite3, sys, time, writer_vfs
+mode, spool, db, pause = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+if mode == "plain":
+    c = sqlite3.connect(db, isolation_level=None, timeout=30)
+else:
+    writer_vfs.register(spool)
+    writer_vfs.set_wal_async(mode == "stager")
+    c = writer_vfs.connect(db, isolation_level=None, timeout=30)
+end, n = time.monotonic() + float(sys.argv[5]), 0
+while time.monotonic() < end:
+    c.execute("INSERT OR REPLACE INTO t(id, v) VALUES (?, randomblob(2000))", (n % 300,))
+    n += 1
+    time.sleep(pause)
+print(n)
+"""
+
+
+def checkpoint_busy(work, spool_root):
+    """TRUNCATE checkpoints of another process (timeout=0) against a WAL
+    writer: how many answer busy."""
+    print("TRUNCATE checkpoints of another process without a busy timeout, against a WAL writer")
+    for pause in (0.002, 0.0):
+        for mode in ("plain", "stager", "commit-path"):
+            d = tempfile.mkdtemp(dir=work)
+            db = os.path.join(d, "c.db")
+            setup = sqlite3.connect(db, isolation_level=None)
+            setup.execute("PRAGMA journal_mode=WAL")
+            setup.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
+            setup.close()
+            writer = subprocess.Popen([sys.executable, "-c", CHECKPOINT_WRITER, mode, spool_root, db,
+                                       str(pause), str(CHECKPOINT_WRITER_SECONDS)],
+                                      stdout=subprocess.PIPE, text=True)
+            time.sleep(0.5)
+            ck = sqlite3.connect(db, isolation_level=None, timeout=0)
+            busy = total = 0
+            end = time.monotonic() + CHECKPOINT_WRITER_SECONDS - 1
+            while time.monotonic() < end:
+                try:
+                    busy += ck.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+                except sqlite3.OperationalError:  # SQLITE_BUSY before it started
+                    busy += 1
+                total += 1
+                time.sleep(CHECKPOINT_EVERY)
+            ck.close()
+            commits = writer.communicate(timeout=60)[0].strip()
+            print("pause %.3f s  %-11s commits %6s  checkpoints %4d  busy %4d (%.0f%%)" % (
+                pause, mode, commits, total, busy, 100.0 * busy / max(1, total)))
 
 
 def main():
@@ -112,6 +200,8 @@ def main():
     ap.add_argument("--spool", default=None,
                     help="spool root (default: inside the work dir, on the databases' file system)")
     ap.add_argument("--latency-only", action="store_true", help="skip the snapshot from scratch")
+    ap.add_argument("--checkpoints", action="store_true",
+                    help="only measure busy answers of another process's checkpoints")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="bench_writer.", dir=args.dir)
     small_mb, big_mb = (10, 100) if args.small else (100, 1024)
@@ -122,6 +212,9 @@ def main():
             spool_root = tempfile.mkdtemp(prefix="bench_spool.", dir=args.spool)
         spool = writer_vfs.register(spool_root)
         print("databases in %s, spool in %s" % (work, spool))
+        if args.checkpoints:
+            checkpoint_busy(work, spool)
+            return
         plain_db = os.path.join(work, "plain.db")
         vn_db = os.path.join(work, "verneuil.db")
         make_db(plain_db, small_mb, ROW_BYTES)

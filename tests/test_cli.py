@@ -331,6 +331,7 @@ def test_lag_of_a_database_in_wal_from_its_first_commit(tmp_path):
         con.execute("PRAGMA journal_mode=WAL")
         con.execute("CREATE TABLE t(x)")
         con.commit()
+        assert writer_vfs.wait_staged(con)  # WAL commits are staged off the commit path
         (db,) = json.loads(run(["lag", "--spool", spool, "--no-store", "--json"]).stdout)
         assert db["snapshotted"] is not False and db["wal"] is True and db["source_changed"] is False, db
         text = run(["lag", "--spool", spool, "--no-store"]).stdout.decode()
@@ -694,6 +695,7 @@ def test_lag_follows_a_wal_database(replicated):
     conn = writer_vfs.connect(w.path, isolation_level=None)
     assert conn.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
     conn.execute("INSERT INTO big VALUES (randomblob(1000))")
+    assert writer_vfs.wait_staged(conn)  # WAL commits are staged off the commit path
     text = run(["lag", "--store", url, "--spool", spool]).stdout.decode()
     assert "[WAL mode]" in text and "in sync" not in text and "source changed" not in text, text
     assert run(["flush", "--store", url, "--spool", spool]).returncode == 0

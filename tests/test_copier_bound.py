@@ -148,8 +148,10 @@ def test_a_database_past_the_writers_bound_is_not_snapshotted(tmp_path, capfd, j
         copier.flush(timeout=60)
         w.execute("CREATE TABLE big(x)")
         w.execute("INSERT INTO big VALUES (randomblob(?))", BOUND + 200_000)
+        assert writer_vfs.wait_staged(w.conn)  # each WAL commit staged, none coalesced
         for _ in range(5):
             w.bump()
+            assert writer_vfs.wait_staged(w.conn)
         stats = writer_vfs.stats(w.conn)
         assert stats["too_large"] >= 6 and stats["failed"] == 0, stats
         err = capfd.readouterr().err

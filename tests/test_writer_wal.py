@@ -36,6 +36,7 @@ def wal_db(path, page_size=4096, locking="NORMAL"):
 def assert_staged(db, spool, tmp_path):
     """The staged snapshot rebuilds to the committed state; its header says
     rollback journal (bytes 18-19 = 1)."""
+    assert writer_vfs.wait_staged(timeout=30)  # this process's stager threads
     want = spoolutil.committed_image(db, str(tmp_path / "committed"))
     got = spoolutil.rebuild_from_staging(spoolutil.db_spool_dir(spool, db), db_path=db)
     assert got[18:20] == b"\x01\x01"
@@ -314,13 +315,14 @@ for i in range(50):
 c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 c.execute("INSERT INTO t VALUES (1)")
 s = writer_vfs.stats(c)
-print(s["wal"], s["wal_snapshots"], s["failed"], s["wal_unreplicated"])
+print(s["wal"], s["wal_snapshots"] + s["wal_coalesced"], s["failed"], s["wal_unreplicated"])
 """
     spool, db = str(tmp_path / "spool"), str(tmp_path / "wal.db")
     out = subprocess.run([sys.executable, "-c", script, spool, db],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
+    # Every commit staged, or covered by a later snapshot (coalesced).
     wal, snapshots, failed, unreplicated = map(int, out.stdout.split())
     assert wal == 1 and snapshots >= 52 and failed == 0 and unreplicated == 0, out.stdout
     assert_staged(db, spool, tmp_path)
@@ -351,3 +353,190 @@ def test_free_pages_never_written_are_read_as_zeros(spool, tmp_path):
     s = writer_vfs.stats(conn)
     assert s["wal_unreplicated"] == 0 and s["failed"] == 0, s
     conn.close()
+
+
+def consistent_counter(image: bytes, path: str) -> int:
+    """Opens a staged image: integrity ok, and its counter row equals its row
+    count (each commit moved both): a committed state, not a mix."""
+    with open(path, "wb") as f:
+        f.write(image)
+    check = sqlite3.connect(path)
+    try:
+        assert check.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        (n,) = check.execute("SELECT n FROM counter").fetchone()
+        assert check.execute("SELECT count(*) FROM t").fetchone()[0] == n
+        return n
+    finally:
+        check.close()
+
+
+def test_a_burst_of_commits_converges_to_the_newest_state(spool, tmp_path):
+    """Commits of two connections in a burst, nobody waiting: the stager
+    threads coalesce them, every snapshot seen meanwhile is a committed state
+    (never a mix, never older than the one before), and the last one is the
+    newest state, byte for byte."""
+    writer_vfs.set_gc_weight(0.0)  # staged chunks stay for the reads below
+    try:
+        db = str(tmp_path / "burst.db")
+        a = wal_db(db)
+        a.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
+        a.execute("CREATE TABLE counter(n INTEGER)")
+        a.execute("INSERT INTO counter VALUES (0)")
+        b = writer_vfs.connect(db, isolation_level=None, timeout=30)
+        db_dir = spoolutil.db_spool_dir(spool, db)
+        seen = [0]
+        for i in range(1, 121):
+            conn = a if i % 3 else b
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("INSERT INTO t(v) VALUES (randomblob(?))", (500 + 97 * i % 9000,))
+            conn.execute("UPDATE counter SET n = n + 1")
+            conn.execute("COMMIT")
+            if i % 10 == 0:  # a look at the spool while the stagers work
+                got = spoolutil.rebuild_from_staging(db_dir, db_path=db)
+                seen.append(consistent_counter(got, str(tmp_path / "seen.db")))
+        assert seen == sorted(seen), seen
+        assert writer_vfs.wait_staged(timeout=30)
+        assert consistent_counter(spoolutil.rebuild_from_staging(db_dir, db_path=db),
+                                  str(tmp_path / "last.db")) == 120
+        assert_staged(db, spool, tmp_path)
+        s = totals(a, b)
+        # Each commit staged, or covered by a later snapshot; none on the
+        # commit path.
+        assert s["wal_async"] + s["wal_coalesced"] >= 120 and s["wal_sync"] == 0, s
+        assert s["failed"] == 0 and s["full"] <= 1, s
+        a.close()
+        b.close()
+    finally:
+        writer_vfs.set_gc_weight(4.0)
+
+
+def test_stats_count_commits_staged_on_and_off_the_commit_path(spool, tmp_path):
+    """wal_sync counts the commits snapshotted on the commit path (the stager
+    turned off), wal_async the stager's snapshots; both stage each state."""
+    db = str(tmp_path / "counts.db")
+    old = writer_vfs.set_wal_async(False)
+    try:
+        conn = wal_db(db)
+        conn.execute("CREATE TABLE t(v)")
+        for _ in range(5):
+            conn.execute("INSERT INTO t VALUES (randomblob(3000))")
+            assert_staged(db, spool, tmp_path)
+        s = writer_vfs.stats(conn)
+        assert s["wal_sync"] >= 6 and s["wal_async"] == 0 and s["wal_coalesced"] == 0, s
+        conn.close()
+    finally:
+        writer_vfs.set_wal_async(old)
+    conn = writer_vfs.connect(db, isolation_level=None)
+    for _ in range(5):
+        conn.execute("INSERT INTO t VALUES (randomblob(3000))")
+        assert writer_vfs.wait_staged(conn)
+        assert_staged(db, spool, tmp_path)
+    s = writer_vfs.stats(conn)
+    assert s["wal_async"] >= 5 and s["wal_sync"] == 0, s
+    # A full snapshot asked for is made by the stager too, even of a
+    # transaction that changed nothing (writer_vfs.force_snapshot's way).
+    conn.execute("PRAGMA verneuil_full_snapshot")
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute("COMMIT")
+    assert writer_vfs.stats(conn)["full"] == s["full"] + 1
+    assert_staged(db, spool, tmp_path)
+    conn.close()
+
+
+EXIT_WITHOUT_CLOSE = r"""
+import ctypes, sys, writer_vfs
+writer_vfs.register(sys.argv[1])
+c = writer_vfs.connect(sys.argv[2], isolation_level=None)
+c.execute("PRAGMA journal_mode=WAL")
+c.execute("CREATE TABLE t(v)")
+c.execute("INSERT INTO t VALUES (randomblob(4000000))")  # a long snapshot
+# exit(3) from C: the connection is never closed, Python does not finalise;
+# only the library's exit handler can wait for the stager.
+ctypes.CDLL(None).exit(0)
+"""
+
+
+def test_a_commit_then_exit_without_close_is_staged(tmp_path):
+    spool, db = str(tmp_path / "spool"), str(tmp_path / "exit.db")
+    out = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, spool, db],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert os.path.getsize(db + "-wal") > 4000000  # the commit is in the WAL only
+    assert_staged(db, spool, tmp_path)
+
+
+# Frames a continuous writer's WAL may reach with the stager pinning states:
+# the stager's threshold (csrc/stager.c, VN_STAGER_GAP_FRAMES) plus the
+# commits of one gap, with room to spare; without resets it grows past 5000.
+CONTINUOUS_WAL_MAX_FRAMES = 2500
+
+
+def test_a_continuous_writer_s_wal_is_still_reset(spool, tmp_path):
+    """A writer that commits without a pause, with SQLite's default
+    autocheckpoint: the stager's pins never keep the WAL from being reset."""
+    db = str(tmp_path / "cont.db")
+    conn = wal_db(db)
+    conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
+    for i in range(2500):
+        conn.execute("INSERT OR REPLACE INTO t(id, v) VALUES (?, randomblob(3000))", (i % 400,))
+    frames = (os.path.getsize(db + "-wal") - 32) // (4096 + 24)
+    assert frames <= CONTINUOUS_WAL_MAX_FRAMES, frames
+    assert writer_vfs.wait_staged(conn)
+    assert_staged(db, spool, tmp_path)
+    s = writer_vfs.stats(conn)
+    assert s["wal_sync"] == 0 and s["failed"] == 0 and s["full"] <= 1, s
+    conn.close()
+
+
+def test_this_process_s_checkpoints_never_meet_the_stager(spool, tmp_path):
+    """A TRUNCATE checkpoint right after a commit, without a busy timeout, by
+    the committing connection or by one that never writes: this process's
+    stagers of the database are drained first, so it is never busy and
+    empties the WAL."""
+    db = str(tmp_path / "ck.db")
+    a = wal_db(db)
+    a.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
+    a.execute("PRAGMA busy_timeout=0")
+    reader = writer_vfs.connect(db, isolation_level=None, timeout=0)
+    for i in range(20):  # rows of 1 MB: each snapshot takes a few ms
+        a.execute("INSERT OR REPLACE INTO t(id, v) VALUES (?, randomblob(1000000))", (i % 3,))
+        checkpointer = reader if i % 2 else a
+        assert checkpointer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone() == (0, 0, 0)
+        assert os.path.getsize(db + "-wal") == 0
+    assert_staged(db, spool, tmp_path)
+    a.close()
+    reader.close()
+
+
+FORKED = r"""
+import os, sys, writer_vfs
+spool, db, db2 = sys.argv[1:4]
+writer_vfs.register(spool)
+c = writer_vfs.connect(db, isolation_level=None)
+c.execute("PRAGMA journal_mode=WAL")
+c.execute("CREATE TABLE t(v)")
+c.execute("INSERT INTO t VALUES (randomblob(3000))")  # this process's stager runs
+pid = os.fork()
+if pid == 0:  # the child: a connection of its own, a stager of its own
+    d = writer_vfs.connect(db2, isolation_level=None)
+    d.execute("PRAGMA journal_mode=WAL")
+    d.execute("CREATE TABLE t(v)")
+    d.execute("INSERT INTO t VALUES (randomblob(3000))")
+    ok = writer_vfs.wait_staged(d, 10) and writer_vfs.stats(d)["wal_async"] >= 1
+    d.close()
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+c.execute("INSERT INTO t VALUES (randomblob(3000))")
+assert writer_vfs.wait_staged(c, 10)
+c.close()
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_stages_with_a_stager_of_its_own(tmp_path):
+    spool, db, db2 = str(tmp_path / "spool"), str(tmp_path / "p.db"), str(tmp_path / "c.db")
+    out = subprocess.run([sys.executable, "-c", FORKED, spool, db, db2],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert_staged(db, spool, tmp_path)
+    assert_staged(db2, spool, tmp_path)

@@ -180,7 +180,8 @@ def connect(db_path, **kwargs) -> sqlite3.Connection:
 
 
 def stats(conn: sqlite3.Connection) -> dict:
-    """This connection's replication counters (PRAGMA verneuil_stats)."""
+    """This connection's replication counters (PRAGMA verneuil_stats), once
+    its stager thread staged every WAL commit handed to it."""
     row = conn.execute("PRAGMA verneuil_stats").fetchone()
     text = row[0] if row else ""
     out = {}
@@ -188,6 +189,33 @@ def stats(conn: sqlite3.Connection) -> dict:
         key, _, value = item.partition("=")
         out[key] = int(value)
     return out
+
+
+# The longest wait_staged() waits by default: far more than one snapshot.
+WAIT_STAGED_TIMEOUT = 60.0
+
+
+def wait_staged(conn: Optional[sqlite3.Connection] = None,
+                timeout: float = WAIT_STAGED_TIMEOUT) -> bool:
+    """Waits until the WAL commits handed to a stager thread are staged: the
+    connection's (PRAGMA verneuil_wait_staged), or every connection's in this
+    process (conn None).  True when they are, False after `timeout` seconds
+    (at most a minute for a connection).  A rollback-journal commit, or a WAL
+    commit with the stager off (`set_wal_async`), is staged before the
+    commit returns: nothing to wait for."""
+    ms = max(0, int(timeout * 1000))
+    if conn is not None:
+        row = conn.execute("PRAGMA verneuil_wait_staged=%d" % ms).fetchone()
+        return bool(row) and row[0] in ("ok", "not replicated")
+    return lib.verneuil_vfs_wait_staged(ms) == 0
+
+
+def set_wal_async(on: bool) -> bool:
+    """Stage WAL commits on a thread of each connection, off the commit path
+    (on by default), or on the commit path, before the WAL write lock is
+    released (connections already staging keep their thread).  Returns the
+    previous setting."""
+    return bool(lib.verneuil_vfs_set_wal_async(1 if on else 0))
 
 
 def force_snapshot(db_path) -> dict:

@@ -31,6 +31,8 @@ ffibuilder.cdef(
     int verneuil_vfs_set_bundle_chunks(int n);
     void verneuil_vfs_set_log_stderr(int on);
     void verneuil_vfs_set_warn_stderr(int on);
+    int verneuil_vfs_set_wal_async(int on);
+    int verneuil_vfs_wait_staged(int timeout_ms);
     int vn_test_btree_tops(const unsigned char *data, size_t size, size_t budget,
         unsigned long long *out, size_t cap);
     int verneuil_vfs_db_spool_dir(const char *spool_dir, const char *db_path,
