@@ -90,7 +90,11 @@ def test_install_from_a_clean_clone_runs_and_uninstalls(tmp_path):
     copier = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
         restore = [str(where["bin"] / "verneuilctl"), "restore", "-s", str(db), "-o", str(tmp_path / "back.db")]
-        wait_for(lambda: _run(restore, env=env, timeout=60).returncode == 0, 60, "the copier to ship the database")
+        back = tmp_path / "back.db"
+        # The copier may ship the first commit's snapshot before the last's:
+        # the store converges to the newest.
+        wait_for(lambda: _run(restore, env=env, timeout=60).returncode == 0 and back.read_bytes() == db.read_bytes(),
+                 60, "the copier to ship the database's last commit")
         copier.terminate()
         assert copier.wait(30) == 0
     finally:

@@ -364,6 +364,42 @@ def test_first_open_stores_bundled_chunks_in_the_page_cache(local_store, monkeyp
     run(local_store, go)
 
 
+def test_open_fetches_a_small_packed_database_whole(local_store, monkeypatch):
+    """`VerneuilFS.open` of a database of at most `OPEN_FETCH_BYTES` in a
+    packed store prefetches all of it (its run of a pack, before any READ);
+    not a larger one, nor one in Verneuil's layout (a GET per chunk)."""
+    import pyfuse3
+
+    from verneuil_fuse.fs import VerneuilFS
+    from verneuil_fuse.reader.replica import OPEN_FETCH_BYTES
+
+    monkeypatch.setattr(pyfuse3, "notify_store", lambda *a: None)
+    small = OPEN_FETCH_BYTES // CHUNK_SIZE
+    dbs = {"small.db": publish(local_store, os.urandom(small * CHUNK_SIZE), "/small.db", hostname="h",
+                               packed=4 << 20),
+           "large.db": publish(local_store, os.urandom((small + 1) * CHUNK_SIZE), "/large.db", hostname="h",
+                               packed=4 << 20),
+           "chunks.db": publish(local_store, os.urandom(small * CHUNK_SIZE), "/chunks.db", hostname="h")}
+
+    async def go(cat: Catalog):
+        await cat.refresh(raise_errors=True)
+        fs = VerneuilFS(cat, entry_timeout=1.0)
+        h = (await cat.lookup(1, "h")).inode
+        fetched = {}
+        for name, pub in dbs.items():
+            node = await cat.lookup(h, name)
+            before = cat.fetcher.stats["store_fetches"]
+            await fs.open(node.inode, os.O_RDONLY, None)
+            with trio.move_on_after(0.5):  # the prefetch lands, if there is one
+                while cat.fetcher.stats["store_fetches"] - before < small - 1:
+                    await trio.sleep(0.01)
+            fetched[name] = cat.fetcher.stats["store_fetches"] - before
+            assert bytes(await node.read(0, len(pub.data))) == pub.data
+        return fetched
+
+    assert run(local_store, go) == {"small.db": small - 1, "large.db": 0, "chunks.db": 0}
+
+
 def test_base_chunk_as_long_as_a_large_list(local_store):
     """A base chunk over 64 KiB (a list of more than 4,096 chunks, a database
     over 256 MiB) is read with the bound of a chunk list, not of a chunk."""

@@ -361,6 +361,7 @@ class VerneuilFS(pyfuse3.Operations):
         self.catalog.opened(node)
         self._handles[fh] = _Handle(node)
         self._preload(inode, node, node.take_preload() if self.preload else [])
+        node.fetch_if_small()
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     @staticmethod
@@ -389,6 +390,7 @@ class VerneuilFS(pyfuse3.Operations):
         fh = self._fh()
         self._handles[fh] = _Handle(f)
         self._preload(f.inode, replica, replica.preload_chunks() if preload and self.preload else [])
+        replica.fetch_if_small()
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     def _preload(self, inode: int, replica: Replica, chunks: list[tuple[int, bytes]]) -> None:
