@@ -129,7 +129,7 @@ def test_constant_writes_no_livelock_no_deadlock(s3_server, writer_kind, spool, 
     t = threading.Thread(target=write, daemon=True)
     try:
         t.start()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 4
         while time.monotonic() < deadline:
             value = store_counter(store, w.name, str(tmp_path))
             if value is not None and (not seen or value != seen[-1]):

@@ -49,9 +49,9 @@ from verneuil_fuse import format as fmt
 pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.skipif(not vfs_available(), reason="writer_vfs is not built")]
 
-# CI's share of CI's 15 minutes: 20 s give each run some 5 to 25 rounds of
+# CI's share of CI's 15 minutes: 16 s give each run some 4 to 20 rounds of
 # kills (long runs: VERNEUIL_TORTURE_SECONDS=300, and the WAL one below).
-TORTURE_SECONDS = float(os.environ.get("VERNEUIL_TORTURE_SECONDS", "20"))
+TORTURE_SECONDS = float(os.environ.get("VERNEUIL_TORTURE_SECONDS", "16"))
 # Each run's share of TORTURE_SECONDS.  The default layout's copier is
 # tortured in both journal modes (the copier does not know the mode): 3/4
 # with a rollback journal, 1/4 in WAL mode.  The packed layout's run, the

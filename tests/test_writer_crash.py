@@ -81,7 +81,7 @@ def test_sigkill_at_random_moments(tmp_path):
     rng = random.Random(1234)
     kills = 0
     deadline = time.monotonic() + 60
-    for round_ in range(40):
+    for round_ in range(30):  # CI's minutes: 30 kills at random moments, ~10 s
         if time.monotonic() > deadline and round_ >= 15:
             break
         p = subprocess.Popen([sys.executable, "-c", WORKER, spool, db, str(rng.randrange(2**32))],
