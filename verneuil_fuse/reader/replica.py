@@ -215,10 +215,9 @@ class Replica:
         (`OPEN_FETCH_BYTES`), as a prefetch."""
         if self.size > OPEN_FETCH_BYTES:
             return
-        remote = self._remote(range(self.nchunks))
-        sources = self._sources(remote)
-        if remote and sources is not None:
-            self.fetcher.prefetch([self.manifest.chunks[i] for i in remote], sources=sources)
+        fps, sources = self.all_remote_chunks()
+        if fps and sources is not None:
+            self.fetcher.prefetch(fps, sources=sources)
 
     def all_remote_chunks(self) -> tuple[list[Fprint], list[ChunkSource] | None]:
         """Every chunk that would need a fetch (for eager hydration), and
