@@ -424,14 +424,16 @@ class Bench:
         raise ValueError(system)
 
     def _profile(self, pid: int, system: str):
-        """With --profile DIR: py-spy sampling `pid` (native frames too), as
-        collapsed stacks in DIR/<system>-<n>.txt, until SIGINT; else None."""
+        """With --profile DIR: py-spy sampling `pid` without pausing it (a
+        paused mount misses its GETs' deadlines and retries them: a scan 50x
+        slower), as collapsed stacks in DIR/<system>-<n>.txt, until SIGINT;
+        else None."""
         if not self.args.profile or system != "verneuil":
             return None
         os.makedirs(self.args.profile, exist_ok=True)
         out = os.path.join(self.args.profile, "%s-%d.txt" % (system, self.n_mounts))
         spy = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid",
-                                str(pid), "--format", "raw", "--rate", "250", "--threads", "--native",
+                                str(pid), "--format", "raw", "--rate", "250", "--threads", "--nonblocking",
                                 "-o", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # attached
         return spy
@@ -1297,6 +1299,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.fanout_child:
         return fanout_child(args)
+    if args.profile and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "py-spy")):
+        p.error("--profile needs py-spy beside this Python: .venv/bin/pip install -e '.[bench]'")
     args.mode = "quick" if args.quick else "full"
     cfg = dict(MODES[args.mode])
     for name in ("size_mb", "runs", "point_runs", "fanout_dbs", "fanout_kb", "dedup_dbs", "dedup_mb"):

@@ -562,6 +562,57 @@ def test_engine_path_reads_a_directory_store_by_files_and_runs(local_store, tmp_
     assert g.stats["failed"] == len(bad & set(range(6))) and g.stats["corrupt"] >= 1
 
 
+def test_a_run_of_a_pack_takes_one_get_slot(s3_store):
+    """A GET slot stands for a request, not a chunk: with one slot, 30
+    chunks whose blobs lie end to end in a pack still go as two range GETs
+    (runs of at most 1 MiB of blobs), in flight at once, not one after the
+    other a chunk at a time; and every slot is given back."""
+    from verneuil_fuse.format import chunk_source
+
+    pub = publish(s3_store, os.urandom(65536 * 31), "/db/oneslot.db", packed=4 << 20)
+    m = pub.manifest
+    fps = list(m.chunks[1:])
+    sources = [chunk_source(m, i) for i in range(1, len(m.chunks))]
+    f = Fetcher(s3_store, None, concurrency=1)
+    in_flight = []
+
+    async def go():
+        assert f.prefetch(fps, sources=sources) == len(fps)
+        in_flight.append(f.io_limiter.borrowed_tokens)
+        bufs = [bytearray(65536) for _ in fps]
+        await f.read_into(fps, [memoryview(b) for b in bufs], sources)
+        return bufs
+
+    assert [bytes(b) for b in run(f, go)] == [pub.chunks[fp] for fp in fps]
+    assert in_flight == [1]  # the first run holds the one slot; the second waits for it
+    assert f.stats["store_fetches"] == len(fps) and f.stats["gets"] == 2, f.stats["gets"]
+    assert f.io_limiter.borrowed_tokens == 0 and f.prefetch_slots.borrowed_tokens == 0
+
+
+def test_prefetches_do_not_wait_for_a_cache_rescan(s3_store, tmp_path, monkeypatch):
+    """A rescan of the disk cache's directory (chunks other processes
+    stored) is due every second; a scan's prefetches do not wait for one:
+    they go to the chunk engine by runs, not a thread and a GET each."""
+    from verneuil_fuse.format import chunk_source
+    from verneuil_fuse.reader import segments as segments_mod
+
+    monkeypatch.setattr(segments_mod, "RESCAN_INTERVAL_S", 0.0)  # always due
+    pub = publish(s3_store, os.urandom(65536 * 16), "/db/rescan.db", packed=4 << 20)
+    m = pub.manifest
+    fps = list(m.chunks[1:])
+    sources = [chunk_source(m, i) for i in range(1, len(m.chunks))]
+    f = Fetcher(s3_store, ChunkCache(str(tmp_path / "cache"), 1 << 26))
+
+    async def go():
+        assert f.prefetch(fps, sources=sources) == len(fps)
+        bufs = [bytearray(65536) for _ in fps]
+        await f.read_into(fps, [memoryview(b) for b in bufs], sources)
+        return bufs
+
+    assert [bytes(b) for b in run(f, go)] == [pub.chunks[fp] for fp in fps]
+    assert f.stats["store_fetches"] == len(fps) and f.stats["gets"] == 1, f.stats["gets"]
+
+
 @pytest.mark.parametrize("where", ["s3", "local"])
 def test_readahead_top_ups_of_a_pack_join_their_runs(where, request, monkeypatch):
     """A readahead that tops its window up two chunks at a time, while

@@ -71,6 +71,7 @@ from verneuil_fuse.store import Reads
 log = logging.getLogger(__name__)
 
 
+
 # GETs in flight at once on the chunk engine (S3), where a GET in flight
 # holds no thread: a cold scan keeps about 3/4 of them busy with prefetches,
 # and the store's latency (20-26 ms per request on the nginx rig) then
@@ -99,8 +100,11 @@ CHECK_THREADS = 4
 DEFAULT_BACKOFF = 0.05
 DEFAULT_RETRIES = 4
 # Prefetches under way at once, waiting for a slot included: past this, a
-# hint is dropped (the readahead asks again at the next read).
-DEFAULT_MAX_PREFETCH_FLIGHTS = 512
+# hint is dropped (a chunk the sequential readahead does not ask for again:
+# its read waits for a GET). Twice the largest readahead window, so that a
+# scan's window and the runs still landing behind it fit (with 512, a cold
+# scan of a packed store dropped 1,100 of its 15,000 prefetches).
+DEFAULT_MAX_PREFETCH_FLIGHTS = 1024
 # The in-memory LRU of chunks (`MemoryLRU`): 64 MiB, a thousand chunks.
 DEFAULT_MEM_CACHE_BYTES = 64 << 20
 

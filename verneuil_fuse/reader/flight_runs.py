@@ -50,7 +50,13 @@ class FlightRuns:
         self._inflight[fp] = flight
         if prefetch:
             self._prefetch_flights += 1
-        if hydrate or not self._engine.available or (cache is not None and cache.might_have(fp)):
+        # A prefetch's chunk is not in the index (`prefetch` skips those), and
+        # it does not wait for a rescan of the cache directory for chunks
+        # other processes stored: a rescan is due every second, and the
+        # prefetches of a scan would take a thread and a GET of their own
+        # each while one is; a demand read looks (`might_have`).
+        if hydrate or not self._engine.available or (
+                cache is not None and not prefetch and cache.might_have(fp)):
             self._nursery.start_soon(self._fly, flight, hydrate)
         else:
             self._engine.queue(flight)
@@ -134,7 +140,8 @@ class FlightRuns:
         slots given back). Bytes finish the flight; an error worth a retry
         hands it to a task (`_fly`), any other (or the last) fails it."""
         name = flight.fp.name
-        self.limit.answered(result if isinstance(result, BaseException) else None)
+        if not flight.rides:  # a request's answer counts once, not once per chunk it carried
+            self.limit.answered(result if isinstance(result, BaseException) else None)
         if not isinstance(result, BaseException):
             self.stats["get_bytes"] += size
             self._store_answered()

@@ -14,10 +14,12 @@ on the engine's thread) or its files' paths (a directory store's
 
 - flights queue for a GET slot (demand first, then prefetches, in the order
   they started, each also waiting for a prefetch slot), and `pump` starts
-  all those the slots let go now in one submission; the flights of a packed
-  store's chunks whose blobs are adjacent in one pack (what readahead and
-  B-tree prefetch ask for together) go as one request, a range of up to
-  `format.MAX_RUN_BYTES` and `RUN_PARTS` chunks (`_reads`);
+  all those the slots let go now in one submission; a flight of a packed
+  store's chunk whose blob follows, in one pack, the blob of the flight
+  before it in the submission (what readahead and B-tree prefetch ask for
+  together) rides in that flight's request without a slot of its own, a
+  range of up to `format.MAX_RUN_BYTES` and `RUN_PARTS` chunks (`_Runs`):
+  a slot is a request;
 - on the engine's thread, in C, each answer is decoded, its full
   fingerprint checked, and the chunk written into its place in the disk
   cache (the flight's `CacheSlot`);
@@ -86,7 +88,7 @@ class Flight:
     (`FlightRuns._finish`). Its ``state`` is written in this module only."""
 
     __slots__ = ("fp", "state", "data", "error", "prefetch", "promoted", "slot", "waiters", "wait_scope",
-                 "deadline", "holds_prefetch_slot", "source", "queued_at")
+                 "deadline", "holds_io_slot", "holds_prefetch_slot", "rides", "source", "queued_at")
 
     def __init__(self, fp: Fprint, prefetch: bool, slot: CacheSlot | None = None,
                  source: ChunkSource | None = None):
@@ -101,7 +103,9 @@ class Flight:
         self.waiters: list[Any] | None = None  # the fetcher's `_Waiter`s
         self.wait_scope: trio.CancelScope | None = None  # a task's wait for a prefetch slot
         self.deadline = 0.0  # trio time; set when the deadline starts
+        self.holds_io_slot = False  # on the engine path: a GET slot (the first flight of a request)
         self.holds_prefetch_slot = False  # on the engine path
+        self.rides = False  # on the engine path: in the request of the flight before it (`_Runs`)
         self.queued_at = 0.0  # trio time it queued for the engine (`EnginePath._hold_back`)
 
     def to_task(self) -> None:
@@ -133,8 +137,8 @@ class FlightOwner(Protocol):
     """What `EnginePath` needs of the fetcher whose flights it carries."""
 
     stats: dict[str, int]  # "gets" counts the GETs sent
-    io_limiter: trio.CapacityLimiter  # a GET slot per GET in flight
-    prefetch_slots: trio.CapacityLimiter  # and a prefetch slot per prefetch
+    io_limiter: trio.CapacityLimiter  # a GET slot per request in flight (a run of a pack: one)
+    prefetch_slots: trio.CapacityLimiter  # and a prefetch slot per prefetch request
     timeout: float  # one GET's time limit
     deadline: float  # a flight's, from its start (a prefetch's: from its slots)
 
@@ -171,6 +175,52 @@ class _OneGet:
     def __init__(self) -> None:
         self.event = trio.Event()
         self.outcome: Outcome | None = None
+
+
+class _Runs:
+    """The requests a batch of flights makes, as `EnginePath.pump` builds it:
+    a flight whose blob follows the blob of the flight before it in the
+    same pack rides in that flight's request (up to `RUN_PARTS` chunks and
+    `MAX_RUN_BYTES` of blobs a request), so a GET slot stands for a request,
+    not a chunk: a scan of a packed store keeps as many requests in flight
+    as one of Verneuil's layout, each carrying a run of chunks."""
+
+    __slots__ = ("room", "count", "start", "parts", "last", "first_start")
+
+    def __init__(self, room: int):
+        self.room = room  # requests the engine can take now
+        self.count = 0  # requests in the batch
+        self.start = 0  # where the batch's last request starts
+        self.parts = 0  # its flights
+        self.last: Flight | None = None
+        self.first_start = 0  # its first blob's offset in its pack
+
+    @property
+    def full(self) -> bool:
+        return self.count >= self.room
+
+    def extended_by(self, flight: Flight) -> bool:
+        """Whether ``flight`` rides in the batch's last request."""
+        last = self.last
+        if last is None or self.parts >= RUN_PARTS:
+            return False
+        source, before = flight.source, last.source
+        return (source is not None and before is not None and source.ranged and before.ranged
+                and source.key == before.key and source.start == before.end
+                and source.end - self.first_start <= MAX_RUN_BYTES)
+
+    def add(self, batch: list[Flight], flight: Flight, rides: bool) -> None:
+        """``flight`` to the end of ``batch``, riding or starting a request."""
+        flight.rides = rides
+        if rides:
+            self.parts += 1
+        else:
+            self.count += 1
+            self.start = len(batch)
+            self.parts = 1
+            self.first_start = flight.source.start if flight.source is not None else 0
+        self.last = flight
+        batch.append(flight)
 
 
 class EnginePath:
@@ -234,23 +284,28 @@ class EnginePath:
         no Event per chunk: the answers come back in batches (`_drain`)."""
         io = self._owner.io_limiter
         batch: list[Flight] = []
-        room = self._room()
+        runs = _Runs(self._room())
         demand = self.queued_demand
-        while demand and len(batch) < room:
+        while demand:
             flight = demand[0]
             if flight.state is not QUEUED:
                 demand.popleft()  # promoted, and sent from the prefetch queue meanwhile; or expired
                 continue
-            try:
-                io.acquire_on_behalf_of_nowait(flight)
-            except trio.WouldBlock:
-                break
+            rides = runs.extended_by(flight)
+            if not rides:
+                if runs.full:
+                    break
+                try:
+                    io.acquire_on_behalf_of_nowait(flight)
+                except trio.WouldBlock:
+                    break
             demand.popleft()
             flight.state = ENGINE  # not sent again from the prefetch queue
-            batch.append(flight)
+            flight.holds_io_slot = not rides
+            runs.add(batch, flight, rides)
         else:
-            self._pump_prefetches(batch, room)
-            self._hold_back(batch)
+            self._pump_prefetches(batch, runs)
+            self._hold_back(batch, runs)
         if batch:
             self._submit(batch)
         if demand and not self._watching:
@@ -258,64 +313,59 @@ class EnginePath:
             assert self._nursery is not None
             self._nursery.start_soon(self._watch_queue)
 
-    def _pump_prefetches(self, batch: list[Flight], room: int) -> None:
+    def _pump_prefetches(self, batch: list[Flight], runs: _Runs) -> None:
         owner = self._owner
         io, slots = owner.io_limiter, owner.prefetch_slots
         queue = self.queued_prefetch
         now = trio.current_time()
-        while queue and len(batch) < room:
+        while queue:
             flight = queue[0]
             if flight.state is not QUEUED:
                 queue.popleft()
                 continue
-            if not flight.promoted:
-                try:
-                    slots.acquire_on_behalf_of_nowait(flight)
-                except trio.WouldBlock:
+            rides = runs.extended_by(flight)
+            if not rides:
+                if runs.full:
                     return
-            try:
-                io.acquire_on_behalf_of_nowait(flight)
-            except trio.WouldBlock:
                 if not flight.promoted:
-                    slots.release_on_behalf_of(flight)
-                return
+                    try:
+                        slots.acquire_on_behalf_of_nowait(flight)
+                    except trio.WouldBlock:
+                        return
+                try:
+                    io.acquire_on_behalf_of_nowait(flight)
+                except trio.WouldBlock:
+                    if not flight.promoted:
+                        slots.release_on_behalf_of(flight)
+                    return
             queue.popleft()
             flight.state = ENGINE
-            flight.holds_prefetch_slot = not flight.promoted
+            flight.holds_io_slot = not rides
+            flight.holds_prefetch_slot = not rides and not flight.promoted
             if not flight.promoted:
                 flight.deadline = now + owner.deadline  # a prefetch's deadline starts with its slot
-            batch.append(flight)
+            runs.add(batch, flight, rides)
 
-    def _hold_back(self, batch: list[Flight]) -> None:
-        """The prefetches at the end of ``batch`` that make a run of a pack
-        with room for more chunks go back to the head of their queue, their
+    def _hold_back(self, batch: list[Flight], runs: _Runs) -> None:
+        """The last run of ``batch``, when it is made of prefetches only and
+        has room for more chunks, goes back to the head of its queue, its
         slots given back, while an answer is still to come (requests in
         flight, or others in ``batch``: `_drain` pumps again then), when the
-        next chunk of their run waits in the queue for a slot (the slots an
-        answer gives back would otherwise cut runs ever shorter), or for at
-        most `RUN_WAIT` since they queued (the readahead tops its window up
-        a read request at a time, and the chunks it adds next join their
-        run): a scan costs about a request per `MAX_RUN_BYTES`. Not on a
-        directory store: a read there costs a `pread`, not a round trip, and
-        a run held back waits on answers that a local disk gives at once."""
-        if self._files:
+        next chunk of the run waits in the queue (the slots an answer gives
+        back would otherwise cut runs ever shorter), or for at most
+        `RUN_WAIT` since they queued (the readahead tops its window up a read
+        request at a time, and the chunks it adds next join their run): a
+        scan costs about a request per `MAX_RUN_BYTES`. Not on a directory
+        store: a read there costs a `pread`, not a round trip, and a run held
+        back waits on answers that a local disk gives at once."""
+        if self._files or not batch:
             return
-        tail = len(batch)
-        while tail > 0:  # the trailing prefetches of one pack, end to end
-            source = batch[tail - 1].source
-            if not batch[tail - 1].holds_prefetch_slot or source is None or not source.ranged:
-                break
-            if tail < len(batch) and not (source.key == batch[tail].source.key
-                                          and source.end == batch[tail].source.start):
-                break
-            tail -= 1
-        start = tail  # their last run, as `_reads` cuts it
-        for at in range(tail + 1, len(batch)):
-            if at - start >= RUN_PARTS or batch[at].source.end - batch[start].source.start > MAX_RUN_BYTES:
-                start = at
+        start = runs.start
         held = batch[start:]
-        if not held or len(held) >= RUN_PARTS or (
-                held[-1].source.end - held[0].source.start > MAX_RUN_BYTES - MAX_CHUNK_BLOB_BYTES):
+        source = held[0].source
+        if source is None or not source.ranged or any(f.promoted or not f.prefetch for f in held):
+            return
+        if len(held) >= RUN_PARTS or held[-1].source.end - source.start > MAX_RUN_BYTES - MAX_CHUNK_BLOB_BYTES:
             return
         in_flight = self._engine is not None and self._engine.free < self._requests
         if not in_flight and start == 0:
@@ -326,6 +376,7 @@ class EnginePath:
         for flight in held:
             self._release_slots(flight)
             flight.state = QUEUED
+            flight.rides = False
         self.queued_prefetch.extendleft(reversed(held))
 
     def _next_queued(self, source: ChunkSource) -> bool:
@@ -397,36 +448,35 @@ class EnginePath:
 
     def _reads(self, batch: list[Flight], route: _Route) -> list[Read]:
         """The engine's requests for ``batch``: one per chunk object, and
-        one per run of chunks whose blobs are adjacent in one pack (at most
-        `MAX_RUN_BYTES` and `RUN_PARTS` chunks), each request bounded by the
-        shortest time its flights have left."""
+        one per run of flights in a row whose blobs are adjacent in one pack
+        (`_Runs`: what `pump` took a GET slot for), each request bounded by
+        the shortest time its flights have left."""
         now = trio.current_time()
         timeout = self._owner.timeout
         reads: list[Read] = []
-        ranged: dict[str, list[Flight]] = {}
+        run: list[Flight] = []
         for flight in batch:
-            if flight.source is not None and flight.source.ranged:
-                ranged.setdefault(flight.source.key, []).append(flight)
-            else:
-                reads.append(Read(route.where(_key(flight)), (self._part(flight, 0, None),),
-                                  timeout=self._attempt(flight, now, timeout), file=route.file))
-        for key, flights in ranged.items():
-            flights.sort(key=lambda f: f.source.start)
-            run: list[Flight] = []
-            for flight in flights:
-                if run and not (flight.source.start == run[-1].source.end and len(run) < RUN_PARTS
-                                and flight.source.end - run[0].source.start <= MAX_RUN_BYTES):
-                    reads.append(self._run_read(route, key, run, now, timeout))
-                    run = []
+            if flight.rides:
                 run.append(flight)
-            reads.append(self._run_read(route, key, run, now, timeout))
+                continue
+            if run:
+                reads.append(self._run_read(route, run, now, timeout))
+            run = [flight]
+        if run:
+            reads.append(self._run_read(route, run, now, timeout))
         return reads
 
-    def _run_read(self, route: _Route, key: str, run: list[Flight], now: float, timeout: float) -> Read:
-        """One range request for the flights of ``run`` (adjacent blobs)."""
-        start = run[0].source.start
+    def _run_read(self, route: _Route, run: list[Flight], now: float, timeout: float) -> Read:
+        """One request for the flights of ``run``: a chunk object, or a
+        range of a pack (adjacent blobs)."""
+        first = run[0]
+        source = first.source
+        if source is None or not source.ranged:
+            return Read(route.where(_key(first)), (self._part(first, 0, None),),
+                        timeout=self._attempt(first, now, timeout), file=route.file)
+        start = source.start
         parts = tuple(self._part(f, f.source.start - start, f.source.end - start) for f in run)
-        return Read(route.where(key), parts, start, run[-1].source.end,
+        return Read(route.where(source.key), parts, start, run[-1].source.end,
                     min(self._attempt(f, now, timeout) for f in run), route.file)
 
     @staticmethod
@@ -451,7 +501,9 @@ class EnginePath:
                     self._owner.run_in_task(flight)
 
     def _release_slots(self, flight: Flight) -> None:
-        self._owner.io_limiter.release_on_behalf_of(flight)
+        if flight.holds_io_slot:
+            flight.holds_io_slot = False
+            self._owner.io_limiter.release_on_behalf_of(flight)
         if flight.holds_prefetch_slot:
             flight.holds_prefetch_slot = False
             self._owner.prefetch_slots.release_on_behalf_of(flight)

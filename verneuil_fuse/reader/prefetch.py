@@ -30,11 +30,13 @@ class PrefetchConfig:
     readahead: bool = True
     btree: bool = True
     readahead_initial: int = 2  # chunks
-    # Chunks (16 MiB): what keeps the fetcher's prefetch slots (3/4 of its
-    # 256 GETs in flight on S3) busy on a sequential read, enough to hide
-    # 20-26 ms per request at ~6,000 chunks/s (docs/BENCHMARKS.md, the
-    # nginx rig).
-    readahead_max: int = 256
+    # Chunks (32 MiB ahead): enough to hide 20 ms per request of a packed
+    # store read by runs of ~16 chunks at ~7,000 chunks/s (a cold scan on the
+    # nginx rig: 2.1-2.3 s with 512, 2.4-3.9 s with 256, 2.7-2.8 s with 1024,
+    # whose prefetched chunks no longer fit the 64 MiB memory cache and are
+    # read back from the disk cache; docs/BENCHMARKS.md); in Verneuil's
+    # layout the fetcher's prefetch slots (3/4 of its 256 GETs) bound it.
+    readahead_max: int = 512
     btree_max: int = 32  # chunks
 
 

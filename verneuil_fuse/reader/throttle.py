@@ -1,8 +1,9 @@
 """The mount's adaptive limit of chunk GETs in flight: `AdaptiveLimit`.
 
-Every chunk GET of a mount holds a slot of one `trio.CapacityLimiter` (the
-fetcher's ``io_limiter``), on the chunk engine's path and in tasks alike,
-first attempts and retries alike. Its size follows the store, additive
+Every chunk GET of a mount (a chunk object, or a run of a pack's chunks in
+one range GET) holds a slot of one `trio.CapacityLimiter` (the fetcher's
+``io_limiter``), on the chunk engine's path and in tasks alike, first
+attempts and retries alike. Its size follows the store, additive
 increase, multiplicative decrease (as TCP does, and as S3's guidance asks
 of clients it throttles: back off, lower the request rate):
 
