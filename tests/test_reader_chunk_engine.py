@@ -75,6 +75,8 @@ def test_chunks_are_verified_and_written_into_their_cache_slots(s3_store, tmp_pa
         engine.close()
     assert got["full"].data == full and got["full"].written and got["full"].size == len(compress_chunk(full))
     assert got["short"].data == short and got["short"].written and got["short"].size == 1000
+    # Decoded straight into bytes objects of their own, each of the chunk's length.
+    assert type(got["full"].data) is bytes and type(got["short"].data) is bytes
     assert got["lie"].mismatch and got["lie"].data is None and not got["lie"].written
     missing = got["missing"].failure
     assert isinstance(missing, Response) and missing.status == 404

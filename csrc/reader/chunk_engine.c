@@ -239,12 +239,14 @@ static int matches(const struct vn_ce_engine *e, const struct vn_ce_part *p,
 
 /*
  * Part `p`'s blob `blob[0..n)`, decoded and verified: VN_CE_CHUNK, its
- * bytes at `*out` (in `p->chunk` if kept), or VN_CE_MISMATCH.
+ * bytes at `*out` (in `p->dest`, or else `p->chunk`, if kept), or
+ * VN_CE_MISMATCH.
  */
 static int decode(struct finisher *f, const struct vn_ce_engine *e, struct vn_ce_part *p,
     const unsigned char *blob, size_t n, const unsigned char **out)
 {
-	unsigned char *dest = p->keep ? p->chunk : f->scratch;
+	unsigned char *kept = p->dest != NULL ? p->dest : p->chunk;
+	unsigned char *dest = p->keep ? kept : f->scratch;
 
 	if (n >= sizeof(zstd_magic) && memcmp(blob, zstd_magic, sizeof(zstd_magic)) == 0) {
 		size_t frame = ZSTD_findFrameCompressedSize(blob, n);
@@ -262,7 +264,7 @@ static int decode(struct finisher *f, const struct vn_ce_engine *e, struct vn_ce
 	}
 	if (n <= VN_CE_CHUNK_SIZE && matches(e, p, blob, n)) {
 		if (p->keep)
-			memcpy(p->chunk, blob, n);
+			memcpy(kept, blob, n);
 		p->length = (uint32_t)n;
 		*out = blob;
 		return VN_CE_CHUNK;
