@@ -63,6 +63,25 @@ def test_put_get_and_persistence(tmp_path):
     d.close()
 
 
+def test_a_new_segments_first_target_makes_its_files(tmp_path):
+    """The chunk engine writes a chunk where `CacheSlot.target` says; a new
+    segment's first target makes its files (not its first write, which for
+    a scan comes after hundreds of targets were asked for), and the chunk
+    written there joins the index."""
+    c = ChunkCache(str(tmp_path), 1 << 26)
+    (fp, data), = chunks(1)
+    slot = c.reserve()
+    assert files(tmp_path, ".seg") == []  # a segment is only named at its reserve
+    target = slot.target(fp)
+    assert target is not None and len(files(tmp_path, ".seg")) == 1 and len(files(tmp_path, ".idx")) == 1
+    fd, idx_fd, off = target
+    os.pwrite(fd, data, off)
+    os.write(idx_fd, encode_record(fp, off, len(data)))
+    assert slot.written(fp, len(data), True, 0)
+    assert c.get(fp) == data
+    c.close()
+
+
 def test_damaged_bytes_are_a_miss_never_served(tmp_path):
     (fp, data), (fp2, data2) = chunks(2)
     c = ChunkCache(str(tmp_path), 1 << 30)

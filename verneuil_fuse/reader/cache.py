@@ -53,7 +53,8 @@ costs neither errors nor a log line per chunk.
 What the fetcher uses: from the trio thread, the calls that never wait on
 the disk (`has_indexed`, `might_have`, `get_nowait`, ``read_into(...,
 nowait=True)``, `reserve`, `CacheSlot.abandon`, and `CacheSlot.target` and
-`CacheSlot.written` around the chunk engine's own writes); from worker
+`CacheSlot.written` around the chunk engine's own writes, `target` making a
+new segment's two files once per segment); from worker
 threads, those that may (`get`, `has_blocking`, `read_into`, `put`, `CacheSlot.write`); `describe` and `capacity` for its stats. All
 methods are thread-safe.
 
@@ -130,8 +131,9 @@ class CacheSlot:
         """Where a writer outside Python (the chunk engine's thread) puts
         the chunk ``fp`` and then its index record: ``(segment fd, index
         fd, offset)``, kept open by the slot until `written`. None: write it
-        with `write` instead (the segment has no files yet, writes are
-        paused, the chunk is cached already)."""
+        with `write` instead (writes are paused, the segment's files cannot
+        be made, the chunk is cached already). A segment's first target
+        makes its files."""
         return self._cache._target(self, fp)
 
     def written(self, fp: Fprint, length: int, ok: bool, error: int) -> bool:
@@ -282,17 +284,10 @@ class ChunkCache(CacheReads, Segments):
                 off = seg.data_bytes
                 seg.data_bytes += length
                 seg.readers += 1  # keeps the descriptors open while we write
-            if seg.fd < 0:  # its first write: make its files
-                try:
-                    self._create_locked(seg)
-                except OSError as e:
-                    seg.dead = True  # its other slots' chunks are appended elsewhere
-                    if seg is self._active:
-                        self._active = None
-                    self._release_locked(seg)
-                    self._pause_locked("cannot start a segment: %s" % (e.strerror or e))
-                    self.stats["puts_skipped"] += 1
-                    return
+            if seg.fd < 0 and not self._make_files_locked(seg):  # its first write
+                self._release_locked(seg)
+                self.stats["puts_skipped"] += 1
+                return
             fd, idx_fd = seg.fd, seg.idx_fd
         error: OSError | None = None
         try:
@@ -303,11 +298,34 @@ class ChunkCache(CacheReads, Segments):
         with self._lock:
             self._record_locked(seg, fp, off, length, error)
 
+    def _make_files_locked(self, seg: _Segment) -> bool:
+        """Make a new segment's files (`segments.Segments._create_locked`:
+        two opens, and evictions when the cache is full); on failure the
+        segment is dead (its other slots' chunks are appended elsewhere) and
+        writes pause."""
+        try:
+            self._create_locked(seg)
+            return True
+        except OSError as e:
+            seg.dead = True
+            if seg is self._active:
+                self._active = None
+            self._pause_locked("cannot start a segment: %s" % (e.strerror or e))
+            return False
+
     def _target(self, slot: CacheSlot, fp: Fprint) -> tuple[int, int, int] | None:
         with self._lock:
             seg = slot._seg
-            if seg is None or seg.dead or seg.fd < 0 or seg.idx_fd < 0 or self._closed or fp in self._index \
+            if seg is None or seg.dead or self._closed or fp in self._index \
                     or (self._paused_until and time.monotonic() < self._paused_until):
+                return None
+            # The segment's first chunk makes its files here, once per
+            # segment, rather than at its first write: a scan's chunks go to
+            # the engine long before one is written, and without files each
+            # of them would be written by a thread of ours instead.
+            if seg.fd < 0 and not self._make_files_locked(seg):
+                return None
+            if seg.idx_fd < 0:
                 return None
             return seg.fd, seg.idx_fd, slot._off
 
