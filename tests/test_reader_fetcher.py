@@ -504,12 +504,15 @@ def test_engine_path_that_cannot_send_runs_flights_in_tasks(chunks):
 
 
 @pytest.mark.parametrize("packed", [0, 4 << 20], ids=["chunks", "packed"])
-def test_engine_path_reads_a_directory_store_by_files_and_runs(local_store, tmp_path, packed):
+def test_engine_path_reads_a_directory_store_by_files_and_runs(local_store, tmp_path, packed, monkeypatch):
     """On a directory store the flights go to the chunk engine's file reads
     (no task per chunk), a packed store's adjacent chunks one request per
     run; a truncated or damaged chunk file, or a cut pack, fails the reads
     of its chunks, never wrong bytes, and its neighbours are served."""
     from verneuil_fuse.format import chunk_source
+    from verneuil_fuse.reader import flights
+
+    monkeypatch.setattr(flights, "RUN_BYTES", 1 << 20)  # runs of 1 MiB: several in 40 chunks
 
     data = os.urandom(65536 * 40)
     pub = publish(local_store, data, "/db/files.db", packed=packed)
@@ -531,7 +534,7 @@ def test_engine_path_reads_a_directory_store_by_files_and_runs(local_store, tmp_
     assert f._engine.available
     assert [bytes(b) for b in run(f, go)] == [pub.chunks[fp] for fp in fps]
     assert "_fly" not in spawned and f.stats["store_fetches"] == len(fps) and f.stats["failed"] == 0
-    # One request per chunk file, or per run of up to 1 MiB of a pack.
+    # One request per chunk file, or per run of up to RUN_BYTES of a pack.
     assert f.stats["gets"] == (len(fps) if not packed else 3), f.stats["gets"]
     # Damage: chunk 3's blob truncated, chunk 5's overwritten (a chunk
     # file each, or the pack cut inside chunk 3's blob, which fails every
@@ -562,12 +565,15 @@ def test_engine_path_reads_a_directory_store_by_files_and_runs(local_store, tmp_
     assert g.stats["failed"] == len(bad & set(range(6))) and g.stats["corrupt"] >= 1
 
 
-def test_a_run_of_a_pack_takes_one_get_slot(s3_store):
+def test_a_run_of_a_pack_takes_one_get_slot(s3_store, monkeypatch):
     """A GET slot stands for a request, not a chunk: with one slot, 30
     chunks whose blobs lie end to end in a pack still go as two range GETs
-    (runs of at most 1 MiB of blobs), in flight at once, not one after the
-    other a chunk at a time; and every slot is given back."""
+    (runs of at most 1 MiB of blobs here), not one after the other a chunk
+    at a time; and every slot is given back."""
     from verneuil_fuse.format import chunk_source
+    from verneuil_fuse.reader import flights
+
+    monkeypatch.setattr(flights, "RUN_BYTES", 1 << 20)
 
     pub = publish(s3_store, os.urandom(65536 * 31), "/db/oneslot.db", packed=4 << 20)
     m = pub.manifest
@@ -625,6 +631,7 @@ def test_readahead_top_ups_of_a_pack_join_their_runs(where, request, monkeypatch
 
     store = request.getfixturevalue(where + "_store")
     monkeypatch.setattr(flights, "RUN_WAIT", 60.0)  # however slow the machine: every top-up in time
+    monkeypatch.setattr(flights, "RUN_BYTES", 1 << 20)  # runs of 1 MiB: several in 40 chunks
     pub = publish(store, os.urandom(65536 * 40), "/db/topups.db", packed=4 << 20)
     m = pub.manifest
     fps = list(m.chunks[1:])

@@ -117,7 +117,6 @@ struct vn_ce_engine {
 	size_t max_body;
 	struct vn_ce_request *reqs;
 	struct vn_ce_part *parts;
-	unsigned char *chunks;
 	struct slot *slots;
 	struct vn_umash_params params;
 	struct finisher fin; /* the HTTP thread's */
@@ -239,14 +238,12 @@ static int matches(const struct vn_ce_engine *e, const struct vn_ce_part *p,
 
 /*
  * Part `p`'s blob `blob[0..n)`, decoded and verified: VN_CE_CHUNK, its
- * bytes at `*out` (in `p->dest`, or else `p->chunk`, if kept), or
- * VN_CE_MISMATCH.
+ * bytes at `*out` (in `p->dest` if kept), or VN_CE_MISMATCH.
  */
 static int decode(struct finisher *f, const struct vn_ce_engine *e, struct vn_ce_part *p,
     const unsigned char *blob, size_t n, const unsigned char **out)
 {
-	unsigned char *kept = p->dest != NULL ? p->dest : p->chunk;
-	unsigned char *dest = p->keep ? kept : f->scratch;
+	unsigned char *dest = p->keep ? p->dest : f->scratch;
 
 	if (n >= sizeof(zstd_magic) && memcmp(blob, zstd_magic, sizeof(zstd_magic)) == 0) {
 		size_t frame = ZSTD_findFrameCompressedSize(blob, n);
@@ -264,7 +261,7 @@ static int decode(struct finisher *f, const struct vn_ce_engine *e, struct vn_ce
 	}
 	if (n <= VN_CE_CHUNK_SIZE && matches(e, p, blob, n)) {
 		if (p->keep)
-			memcpy(kept, blob, n);
+			memcpy(p->dest, blob, n);
 		p->length = (uint32_t)n;
 		*out = blob;
 		return VN_CE_CHUNK;
@@ -958,10 +955,8 @@ static int init_slot(struct vn_ce_engine *e, int i)
 	int rc = CURLE_OK;
 
 	r->parts = &e->parts[(size_t)i * (size_t)e->max_parts];
-	for (int k = 0; k < e->max_parts; k++) {
+	for (int k = 0; k < e->max_parts; k++)
 		r->parts[k].data_fd = r->parts[k].idx_fd = -1;
-		r->parts[k].chunk = e->chunks + ((size_t)i * (size_t)e->max_parts + (size_t)k) * VN_CE_CHUNK_SIZE;
-	}
 	r->end = -1;
 	r->body = malloc(e->max_body);
 	s->engine = e;
@@ -992,14 +987,12 @@ static int init_engine(struct vn_ce_engine *e)
 	e->reqs = calloc((size_t)e->nslots, sizeof(*e->reqs));
 	e->slots = calloc((size_t)e->nslots, sizeof(*e->slots));
 	e->parts = calloc(nparts, sizeof(*e->parts));
-	/* Pages are taken as parts are kept: untouched, they cost nothing. */
-	e->chunks = malloc(nparts * VN_CE_CHUNK_SIZE);
 	e->queue = calloc((size_t)e->nslots, sizeof(int));
 	e->jobs = calloc((size_t)e->nslots, sizeof(int));
 	e->done = calloc((size_t)e->nslots, sizeof(int));
 	e->workers = calloc((size_t)e->nworkers + 1, sizeof(*e->workers));
 	e->multi = curl_multi_init();
-	if (e->reqs == NULL || e->slots == NULL || e->parts == NULL || e->chunks == NULL || e->queue == NULL ||
+	if (e->reqs == NULL || e->slots == NULL || e->parts == NULL || e->queue == NULL ||
 	    e->jobs == NULL || e->done == NULL || e->workers == NULL || e->multi == NULL ||
 	    init_finisher(&e->fin) != 0 || init_loop(e) != 0)
 		return -1;
@@ -1088,6 +1081,9 @@ static int well_formed(const struct vn_ce_engine *e, const struct vn_ce_request 
 	    r->nparts < 1 || r->nparts > e->max_parts || memchr(r->url, '\0', sizeof(r->url)) == NULL ||
 	    r->parts != e->parts + (r - e->reqs) * e->max_parts)
 		return 0;
+	for (int i = 0; i < r->nparts; i++)
+		if (p[i].keep && p[i].dest == NULL)
+			return 0;
 	if (r->end < 0)
 		return r->end == -1 && r->start == 0 && r->nparts == 1 && p->lo == 0 && p->hi == 0;
 	if (r->start < 0 || len <= 0 || r->end > VN_CE_PACK_MAX || (size_t)len > e->max_body)
@@ -1191,7 +1187,6 @@ void vn_ce_free(struct vn_ce_engine *e)
 	free(e->reqs);
 	free(e->slots);
 	free(e->parts);
-	free(e->chunks);
 	free(e->queue);
 	free(e->jobs);
 	free(e->done);

@@ -86,12 +86,11 @@ struct vn_ce_part {
 	int idx_fd;            /* the segment's index, appended one record */
 	int64_t offset;        /* where the bytes go in data_fd */
 	int32_t keep;          /* nonzero: the verified bytes are handed back in `dest` */
-	unsigned char *dest;   /* where kept bytes go (VN_CE_CHUNK_SIZE bytes), NULL: `chunk` */
+	unsigned char *dest;   /* where kept bytes go: VN_CE_CHUNK_SIZE bytes of the caller's */
 	/* Set by the engine before it hands the request back. */
 	int32_t result;        /* enum vn_ce_result */
 	int32_t write_errno;   /* 0: written (or not asked); else why not */
-	uint32_t length;       /* the chunk's bytes (in `dest` or `chunk` if kept) */
-	unsigned char *chunk;  /* VN_CE_CHUNK_SIZE bytes of the engine's memory */
+	uint32_t length;       /* the chunk's bytes (in `dest` if kept) */
 };
 
 struct vn_ce_request {

@@ -18,7 +18,7 @@ on the engine's thread) or its files' paths (a directory store's
   store's chunk whose blob follows, in one pack, the blob of the flight
   before it in the submission (what readahead and B-tree prefetch ask for
   together) rides in that flight's request without a slot of its own, a
-  range of up to `format.MAX_RUN_BYTES` and `RUN_PARTS` chunks (`_Runs`):
+  range of up to `RUN_BYTES` and `RUN_PARTS` chunks (`_Runs`):
   a slot is a request;
 - on the engine's thread, in C, each answer is decoded, its full
   fingerprint checked, and the chunk written into its place in the disk
@@ -48,7 +48,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 
 import trio
 
-from verneuil_fuse.format import (MAX_CHUNK_BLOB_BYTES, MAX_RUN_BYTES, ChunkError, ChunkSource, Fprint,
+from verneuil_fuse.format import (MAX_CHUNK_BLOB_BYTES, ChunkError, ChunkSource, Fprint,
                                   chunk_mismatch)
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache
 from verneuil_fuse.reader.chunk_engine import READ_WORKERS, ChunkEngine, Outcome, Part, Read
@@ -63,12 +63,18 @@ MIN_ATTEMPT_TIMEOUT = 0.5
 # abandoned at its deadline keeps its request until the engine ends it (its
 # own time limit), and these keep the batches going meanwhile.
 SPARE_REQUESTS = 16
-# Chunks of one request at most (a run of a pack): 2 MiB of chunks, past
-# the 16 that 1 MiB of blobs (`format.MAX_RUN_BYTES`) usually holds, so a
-# run of well-compressed chunks still goes in one or two requests; each
-# request's memory in the engine is MAX_RUN_BYTES and RUN_PARTS x 64 KiB,
-# taken only as used.
-RUN_PARTS = 32
+# Bytes of blobs of one range request of a pack at most (a run of the
+# mount's; `restore` reads by runs of `format.MAX_RUN_BYTES`): a cold scan
+# of 951 MiB makes ~270 requests instead of ~900, and behind moto, whose
+# CPU per request shares the two cores with the mount, it took 2.6 s
+# instead of 3.7 (s3fs: 2.9-3.4 s); on the nginx rig, level (1.85-1.99 s).
+# Each request of the engine holds a buffer of this size, its pages taken
+# as used (a scan keeps ~8 busy: 32 MiB of readahead).
+RUN_BYTES = 4 << 20
+# Chunks of one request at most: the 64 that 4 MiB of incompressible
+# blobs hold, and room for better-compressed ones (a run of many small
+# blobs goes in more requests).
+RUN_PARTS = 80
 # Longest wait of a prefetch of a pack's chunk for the readahead's next
 # chunks to join its run (`EnginePath._hold_back`): a scan's read requests,
 # each topping the readahead window up, come a few ms apart.
@@ -181,7 +187,7 @@ class _Runs:
     """The requests a batch of flights makes, as `EnginePath.pump` builds it:
     a flight whose blob follows the blob of the flight before it in the
     same pack rides in that flight's request (up to `RUN_PARTS` chunks and
-    `MAX_RUN_BYTES` of blobs a request), so a GET slot stands for a request,
+    `RUN_BYTES` of blobs a request), so a GET slot stands for a request,
     not a chunk: a scan of a packed store keeps as many requests in flight
     as one of Verneuil's layout, each carrying a run of chunks."""
 
@@ -207,7 +213,7 @@ class _Runs:
         source, before = flight.source, last.source
         return (source is not None and before is not None and source.ranged and before.ranged
                 and source.key == before.key and source.start == before.end
-                and source.end - self.first_start <= MAX_RUN_BYTES)
+                and source.end - self.first_start <= RUN_BYTES)
 
     def add(self, batch: list[Flight], flight: Flight, rides: bool) -> None:
         """``flight`` to the end of ``batch``, riding or starting a request."""
@@ -355,7 +361,7 @@ class EnginePath:
         back would otherwise cut runs ever shorter), or for at most
         `RUN_WAIT` since they queued (the readahead tops its window up a read
         request at a time, and the chunks it adds next join their run): a
-        scan costs about a request per `MAX_RUN_BYTES`. Not on a directory
+        scan costs about a request per `RUN_BYTES`. Not on a directory
         store: a read there costs a `pread`, not a round trip, and a run held
         back waits on answers that a local disk gives at once."""
         if self._files or not batch:
@@ -365,7 +371,7 @@ class EnginePath:
         source = held[0].source
         if source is None or not source.ranged or any(f.promoted or not f.prefetch for f in held):
             return
-        if len(held) >= RUN_PARTS or held[-1].source.end - source.start > MAX_RUN_BYTES - MAX_CHUNK_BLOB_BYTES:
+        if len(held) >= RUN_PARTS or held[-1].source.end - source.start > RUN_BYTES - MAX_CHUNK_BLOB_BYTES:
             return
         in_flight = self._engine is not None and self._engine.free < self._requests
         if not in_flight and start == 0:
@@ -403,7 +409,7 @@ class EnginePath:
                 route = None if gets is None else _Route(gets.url, False)
         if route is not None and self._engine is None:
             try:
-                self._engine = ChunkEngine(self._requests, MAX_RUN_BYTES, max_parts=RUN_PARTS,
+                self._engine = ChunkEngine(self._requests, RUN_BYTES, max_parts=RUN_PARTS,
                                            workers=READ_WORKERS if route.file else 0)
             except OSError as e:
                 log.warning("no chunk engine (%s): chunk reads run in threads", e)
