@@ -71,7 +71,6 @@ from verneuil_fuse.store import Reads
 log = logging.getLogger(__name__)
 
 
-
 # GETs in flight at once on the chunk engine (S3), where a GET in flight
 # holds no thread: a cold scan keeps about 3/4 of them busy with prefetches,
 # and the store's latency (20-26 ms per request on the nginx rig) then
