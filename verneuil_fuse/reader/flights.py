@@ -94,7 +94,7 @@ class Flight:
     (`FlightRuns._finish`). Its ``state`` is written in this module only."""
 
     __slots__ = ("fp", "state", "data", "error", "prefetch", "promoted", "slot", "waiters", "wait_scope",
-                 "deadline", "holds_io_slot", "holds_prefetch_slot", "rides", "source", "queued_at")
+                 "deadline", "holds_prefetch_slot", "rides", "source", "queued_at")
 
     def __init__(self, fp: Fprint, prefetch: bool, slot: CacheSlot | None = None,
                  source: ChunkSource | None = None):
@@ -109,9 +109,10 @@ class Flight:
         self.waiters: list[Any] | None = None  # the fetcher's `_Waiter`s
         self.wait_scope: trio.CancelScope | None = None  # a task's wait for a prefetch slot
         self.deadline = 0.0  # trio time; set when the deadline starts
-        self.holds_io_slot = False  # on the engine path: a GET slot (the first flight of a request)
         self.holds_prefetch_slot = False  # on the engine path
-        self.rides = False  # on the engine path: in the request of the flight before it (`_Runs`)
+        # On the engine path: in the request of the flight before it (`_Runs`),
+        # without a GET slot of its own; else the first of its request, with one.
+        self.rides = False
         self.queued_at = 0.0  # trio time it queued for the engine (`EnginePath._hold_back`)
 
     def to_task(self) -> None:
@@ -307,7 +308,6 @@ class EnginePath:
                     break
             demand.popleft()
             flight.state = ENGINE  # not sent again from the prefetch queue
-            flight.holds_io_slot = not rides
             runs.add(batch, flight, rides)
         else:
             self._pump_prefetches(batch, runs)
@@ -346,7 +346,6 @@ class EnginePath:
                     return
             queue.popleft()
             flight.state = ENGINE
-            flight.holds_io_slot = not rides
             flight.holds_prefetch_slot = not rides and not flight.promoted
             if not flight.promoted:
                 flight.deadline = now + owner.deadline  # a prefetch's deadline starts with its slot
@@ -507,8 +506,7 @@ class EnginePath:
                     self._owner.run_in_task(flight)
 
     def _release_slots(self, flight: Flight) -> None:
-        if flight.holds_io_slot:
-            flight.holds_io_slot = False
+        if not flight.rides:
             self._owner.io_limiter.release_on_behalf_of(flight)
         if flight.holds_prefetch_slot:
             flight.holds_prefetch_slot = False
