@@ -13,6 +13,7 @@ from verneuil_fuse.reader.paths import display_path
 from verneuil_fuse.reader.fetcher import Fetcher
 from verneuil_fuse.format import CHUNK_SIZE, manifest_name
 from verneuil_fuse.reader.replica import Replica
+from verneuil_fuse.reader.replies import ReplyBuffers
 
 
 def test_display_paths():
@@ -161,6 +162,41 @@ def test_reads_zero_chunks_and_eof(local_store):
             assert await r.read(off, size) == data[off:off + size]
         assert await r.read(len(data), 10) == b""
         assert cat.fetcher.stats["gets"] == 1  # chunk 0 bundled, zeros synthesised
+
+    run(local_store, go)
+
+
+def test_reply_buffers_are_reused_only_when_free(local_store):
+    """Replies of several chunks come from reused buffers (reader/replies.py):
+    one still referred to (a read waiting, a reply kept) is never handed out
+    again, and every byte of a reused one is written again, zero chunks
+    included."""
+    pool = ReplyBuffers(chunks=2, count=2)
+    a = pool.take(100)
+    kept = memoryview(a)[10:20]
+    b = pool.take(100)
+    assert b is not a and pool.made == 2 and pool.reused == 0
+    del kept, a
+    assert pool.take(100) is pool._pool[0] and pool.reused == 1  # no view of it is left
+    assert len(pool.take(3 * CHUNK_SIZE)) == 3 * CHUNK_SIZE  # larger than a pooled buffer: its own
+    assert len(pool._pool) == 2
+
+    data = os.urandom(2 * CHUNK_SIZE) + bytes(2 * CHUNK_SIZE) + os.urandom(2 * CHUNK_SIZE) + bytes(100)
+    publish(local_store, data, "/p.db")
+
+    async def go(cat):
+        await cat.refresh()
+        r = await first_replica(cat)
+        held = []
+        for rnd in range(40):  # random data, then zeros, through the same few buffers
+            off = (rnd * 7919) % (len(data) - 2 * CHUNK_SIZE)
+            got = await r.read(off, 2 * CHUNK_SIZE)
+            assert got == data[off:off + 2 * CHUNK_SIZE]
+            if rnd % 5 == 0:
+                held.append((off, got))  # replies still referred to keep their bytes
+        for off, got in held:
+            assert got == data[off:off + 2 * CHUNK_SIZE]
+        assert r._replies.reused > 0
 
     run(local_store, go)
 

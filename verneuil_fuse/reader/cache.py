@@ -202,22 +202,29 @@ class ChunkCache(CacheReads, Segments):
         `CacheSlot.write` stores the chunk there, or `CacheSlot.abandon`
         gives it back. No I/O, so the trio
         thread may call it: a new segment is only named here, its files are
-        made at its first write. None while writes are paused (the chunk is
-        then offered to `put`)."""
+        made at its first target or write. None while writes are paused (the
+        chunk is then offered to `put`)."""
+        return self.reserve_many(1)[0]
+
+    def reserve_many(self, n: int) -> list[CacheSlot | None]:
+        """`reserve` for ``n`` chunks whose fetches start now, in that order,
+        under one hold of the lock (a prefetch of a readahead window)."""
         with self._lock:
             if self._closed or (self._paused_until and time.monotonic() < self._paused_until):
-                return None
+                return [None] * n
+            slots: list[CacheSlot | None] = []
             seg = self._active
-            if seg is not None and (seg.dead or seg.data_bytes + CHUNK_SIZE > self.segment_bytes):
-                self._seal_locked(seg)
-                seg = None
-            if seg is None:
-                seg = self._active = self._new_locked()
-            slot = CacheSlot(self, seg, seg.data_bytes)
-            seg.data_bytes += CHUNK_SIZE
-            seg.pending += CHUNK_SIZE
-            seg.readers += 1  # keeps the descriptors open until the write
-            return slot
+            for _ in range(n):
+                if seg is not None and (seg.dead or seg.data_bytes + CHUNK_SIZE > self.segment_bytes):
+                    self._seal_locked(seg)
+                    seg = None
+                if seg is None:
+                    seg = self._active = self._new_locked()
+                slots.append(CacheSlot(self, seg, seg.data_bytes))
+                seg.data_bytes += CHUNK_SIZE
+                seg.pending += CHUNK_SIZE
+                seg.readers += 1  # keeps the descriptors open until the write
+            return slots
 
     def _abandon(self, slot: CacheSlot) -> None:
         with self._lock:
@@ -315,19 +322,29 @@ class ChunkCache(CacheReads, Segments):
 
     def _target(self, slot: CacheSlot, fp: Fprint) -> tuple[int, int, int] | None:
         with self._lock:
-            seg = slot._seg
-            if seg is None or seg.dead or self._closed or fp in self._index \
-                    or (self._paused_until and time.monotonic() < self._paused_until):
-                return None
-            # The segment's first chunk makes its files here, once per
-            # segment, rather than at its first write: a scan's chunks go to
-            # the engine long before one is written, and without files each
-            # of them would be written by a thread of ours instead.
-            if seg.fd < 0 and not self._make_files_locked(seg):
-                return None
-            if seg.idx_fd < 0:
-                return None
-            return seg.fd, seg.idx_fd, slot._off
+            return self._target_locked(slot, fp)
+
+    def targets(self, slots: list[CacheSlot | None], fps: list[Fprint]) -> list[tuple[int, int, int] | None]:
+        """`CacheSlot.target` of each slot of ``slots`` (None: none) for the
+        chunk of ``fps`` at the same place, under one hold of the lock (the
+        chunks of one submission to the chunk engine)."""
+        with self._lock:
+            return [None if slot is None else self._target_locked(slot, fp) for slot, fp in zip(slots, fps)]
+
+    def _target_locked(self, slot: CacheSlot, fp: Fprint) -> tuple[int, int, int] | None:
+        seg = slot._seg
+        if seg is None or seg.dead or self._closed or fp in self._index \
+                or (self._paused_until and time.monotonic() < self._paused_until):
+            return None
+        # The segment's first chunk makes its files here, once per
+        # segment, rather than at its first write: a scan's chunks go to
+        # the engine long before one is written, and without files each
+        # of them would be written by a thread of ours instead.
+        if seg.fd < 0 and not self._make_files_locked(seg):
+            return None
+        if seg.idx_fd < 0:
+            return None
+        return seg.fd, seg.idx_fd, slot._off
 
     def _written(self, slot: CacheSlot, fp: Fprint, length: int, error: OSError | None) -> None:
         with self._lock:

@@ -62,6 +62,9 @@ _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 # 2, 0.8-1.0 s with 4, 0.8 s with 8).
 READ_WORKERS = 4
 
+# A part whose bytes do not go to the disk cache: (data fd, index fd, offset).
+_NO_TARGET = (-1, -1, 0)
+
 
 class Part(NamedTuple):
     """One chunk of a `Read`: ``token`` (the caller's, handed back with its
@@ -222,17 +225,16 @@ class ChunkEngine:
         parts = r.parts
         dests: list[bytes | None] = []
         for k, part in enumerate(read.parts):
-            p = parts[k]
-            p.fp[0], p.fp[1] = part.fp
-            p.lo = part.lo
-            p.hi = 0 if part.hi is None else part.hi
-            if part.target is None:
-                p.data_fd = -1
+            # The whole part in one assignment (fp, lo, hi, data_fd, idx_fd,
+            # offset, keep, dest; what the engine sets is zeroed).
+            data_fd, idx_fd, offset = part.target if part.target is not None else _NO_TARGET
+            if part.keep:
+                dest = _new_bytes(None, CHUNK_SIZE)
+                parts[k] = (part.fp, part.lo, part.hi or 0, data_fd, idx_fd, offset, 1,
+                            ffi.from_buffer("unsigned char[]", dest))
             else:
-                p.data_fd, p.idx_fd, p.offset = part.target
-            p.keep = part.keep
-            dest = _new_bytes(None, CHUNK_SIZE) if part.keep else None
-            p.dest = ffi.cast("unsigned char *", ffi.from_buffer(dest)) if dest is not None else ffi.NULL
+                dest = None
+                parts[k] = (part.fp, part.lo, part.hi or 0, data_fd, idx_fd, offset, 0, ffi.NULL)
             dests.append(dest)
         return dests
 

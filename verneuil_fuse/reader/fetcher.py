@@ -431,29 +431,36 @@ class Fetcher(ManifestSource, StoreGets, FlightRuns, Landing, FetcherHydration):
         under way or in the disk cache (the kernel's readahead of the
         cache's files brings those in); ``sources`` as for `read_into`.
         Returns how many flights (GETs) were started."""
-        started = 0
+        stats = self.stats
         cache = self.cache
+        mem, inflight = self.mem, self._inflight
         paused = self.limit.paused  # the store throttles: its GETs go to demand reads
+        room = self.max_prefetch_flights - self._prefetch_flights
+        todo: dict[Fprint, int] = {}  # what to start, once each, in order
         for k, fp in enumerate(fps):
-            if fp in self.mem or fp in self._inflight:
-                self.stats["prefetch_requested"] += 1
-                self.stats["prefetch_skipped"] += 1
+            if fp in mem or fp in inflight or fp in todo:
+                stats["prefetch_requested"] += 1
+                stats["prefetch_skipped"] += 1
                 continue
             if cache is not None and cache.has_indexed(fp):
                 continue
-            self.stats["prefetch_requested"] += 1
+            stats["prefetch_requested"] += 1
             if paused:
-                self.stats["prefetch_throttled"] += 1
+                stats["prefetch_throttled"] += 1
                 continue
-            if self._prefetch_flights >= self.max_prefetch_flights:
-                self.stats["prefetch_dropped"] += 1
+            if len(todo) >= room:
+                stats["prefetch_dropped"] += 1
                 continue
-            self._start(fp, prefetch=True, source=_source_of(sources, k))
-            started += 1
-        self.stats["prefetch_started"] += started
-        if started:
-            self._engine.pump()
-        return started
+            todo[fp] = k
+        if not todo:
+            return 0
+        # Their places in the disk cache, in file order, under one lock.
+        slots = cache.reserve_many(len(todo)) if cache is not None else [None] * len(todo)
+        for (fp, k), slot in zip(todo.items(), slots):
+            self._start(fp, prefetch=True, slot=slot, source=_source_of(sources, k))
+        stats["prefetch_started"] += len(todo)
+        self._engine.pump()
+        return len(todo)
 
     # ------------------------------------------------------------------ stats
     def cache_capacity(self) -> int | None:

@@ -139,7 +139,6 @@ class FlightRuns:
         """`FlightOwner`, in trio: a GET of the engine path answered (its
         slots given back). Bytes finish the flight; an error worth a retry
         hands it to a task (`_fly`), any other (or the last) fails it."""
-        name = flight.fp.name
         if not flight.rides:  # a request's answer counts once, not once per chunk it carried
             self.limit.answered(result if isinstance(result, BaseException) else None)
         if not isinstance(result, BaseException):
@@ -152,6 +151,7 @@ class FlightRuns:
             flight.error = result
             self._finish(flight)
             return
+        name = flight.fp.name
         self._count_get_error(name, result, 1, 0.0)
         if _worth_retrying(result) and self.retries > 0 and trio.current_time() < flight.deadline:
             flight.to_task()

@@ -144,6 +144,7 @@ class FlightOwner(Protocol):
     """What `EnginePath` needs of the fetcher whose flights it carries."""
 
     stats: dict[str, int]  # "gets" counts the GETs sent
+    cache: ChunkCache | None  # the disk cache the flights' slots are places of
     io_limiter: trio.CapacityLimiter  # a GET slot per request in flight (a run of a pack: one)
     prefetch_slots: trio.CapacityLimiter  # and a prefetch slot per prefetch request
     timeout: float  # one GET's time limit
@@ -458,36 +459,36 @@ class EnginePath:
         the shortest time its flights have left."""
         now = trio.current_time()
         timeout = self._owner.timeout
+        cache = self._owner.cache
+        if cache is not None:  # where each chunk goes in the disk cache, under one lock
+            targets = cache.targets([f.slot for f in batch], [f.fp for f in batch])
+        else:
+            targets = [None] * len(batch)
         reads: list[Read] = []
-        run: list[Flight] = []
-        for flight in batch:
-            if flight.rides:
-                run.append(flight)
-                continue
-            if run:
-                reads.append(self._run_read(route, run, now, timeout))
-            run = [flight]
-        if run:
-            reads.append(self._run_read(route, run, now, timeout))
+        start = 0
+        for k, flight in enumerate(batch):
+            if k and not flight.rides:
+                reads.append(self._run_read(route, batch[start:k], targets[start:k], now, timeout))
+                start = k
+        if batch:
+            reads.append(self._run_read(route, batch[start:], targets[start:], now, timeout))
         return reads
 
-    def _run_read(self, route: _Route, run: list[Flight], now: float, timeout: float) -> Read:
-        """One request for the flights of ``run``: a chunk object, or a
-        range of a pack (adjacent blobs)."""
+    def _run_read(self, route: _Route, run: list[Flight], targets: list, now: float, timeout: float) -> Read:
+        """One request for the flights of ``run`` (``targets``: their places
+        in the disk cache): a chunk object, or a range of a pack (adjacent
+        blobs)."""
         first = run[0]
         source = first.source
         if source is None or not source.ranged:
-            return Read(route.where(_key(first)), (self._part(first, 0, None),),
+            return Read(route.where(_key(first)), (Part(first, first.fp, 0, None, targets[0]),),
                         timeout=self._attempt(first, now, timeout), file=route.file)
         start = source.start
-        parts = tuple(self._part(f, f.source.start - start, f.source.end - start) for f in run)
+        parts = tuple(Part(f, f.fp, f.source.start - start, f.source.end - start, target)
+                      for f, target in zip(run, targets))
+        deadline = min(f.deadline for f in run)
         return Read(route.where(source.key), parts, start, run[-1].source.end,
-                    min(self._attempt(f, now, timeout) for f in run), route.file)
-
-    @staticmethod
-    def _part(flight: Flight, lo: int, hi: int | None) -> Part:
-        slot = flight.slot
-        return Part(flight, flight.fp, lo, hi, slot.target(flight.fp) if slot is not None else None)
+                    min(timeout, max(deadline - now, MIN_ATTEMPT_TIMEOUT)), route.file)
 
     @staticmethod
     def _attempt(flight: Flight, now: float, timeout: float) -> float:

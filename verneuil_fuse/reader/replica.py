@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from verneuil_fuse.format import (CHUNK_SIZE, MAX_RUN_BYTES, ZERO_CHUNK_FPRINT, ChunkSource, Fprint, Manifest,
                                   chunk_source)
 from verneuil_fuse.reader.prefetch import BtreeReadahead, Cursor, PrefetchConfig, SequentialReadahead
+from verneuil_fuse.reader.replies import ReplyBuffers
 from verneuil_fuse.reader.store_gets import FetchError
 
 if TYPE_CHECKING:  # the fetcher's hydration (a part of it) knows replicas
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # the fetcher's hydration (a part of it) knows replicas
 __all__ = ["Cursor", "PrefetchConfig", "Replica"]
 
 _ZERO_CHUNK = bytes(CHUNK_SIZE)
+_ZERO_VIEW = memoryview(_ZERO_CHUNK)
 
 # A database no larger than this, in a packed store, is fetched whole when it
 # is opened: its chunks are one run of a pack, one request, where a query's
@@ -35,6 +37,10 @@ _ZERO_CHUNK = bytes(CHUNK_SIZE)
 # Spark fan-out over 100 databases of 864 KiB behind 20 ms: ~5 requests per
 # database). In Verneuil's layout that would be a GET per chunk: not done.
 OPEN_FETCH_BYTES = MAX_RUN_BYTES
+
+# The buffers of replies of several chunks, shared by every replica: reads
+# are answered on trio's thread only.
+_REPLIES = ReplyBuffers()
 
 
 class Replica:
@@ -59,6 +65,7 @@ class Replica:
         self.size = manifest.len
         self.mtime_ns = mtime_ns
         self.prefetch_config = prefetch or PrefetchConfig()
+        self._replies = _REPLIES
         self.version = manifest.contents_fprint.hex()
         self.nchunks = len(manifest.chunks)
         self.packed = manifest.layout is not None
@@ -136,6 +143,15 @@ class Replica:
         self._note(index, data)
         return data
 
+    def _streaming(self, cursor: Cursor | None) -> bool:
+        """Whether ``cursor``'s reads are a long run in file order, its
+        readahead window at its largest: the sequential readahead names
+        every chunk ahead already, and parsing each chunk for the b-tree
+        readahead (a few us per chunk, 7 % of trio's thread in a cold scan)
+        would buy nothing. The chunks it skips are parsed if read again
+        outside such a run."""
+        return cursor is not None and cursor.window >= self.prefetch_config.readahead_max > 0
+
     def _note(self, index: int, data: bytes) -> None:
         """Learn the b-tree pages of a chunk read on demand, once."""
         if self._btree is not None:
@@ -166,10 +182,10 @@ class Replica:
             # A view, not a copy: pyfuse3 copies it into the reply.
             return memoryview(data)[off - base : end - base]
         # Several chunks (the kernel's readahead asks for up to 1 MiB): read
-        # them into one buffer, the cached ones straight from the disk
-        # cache's segments (`Fetcher.read_into`), and reply with a view of it.
-        buf = bytearray((last - first) * CHUNK_SIZE + self.manifest.chunk_length(last))
-        view = memoryview(buf)
+        # them into one buffer (reused: `replies.py`), the cached ones
+        # straight from the disk cache's segments (`Fetcher.read_into`), and
+        # reply with a view of it.
+        view = memoryview(self._replies.take((last - first) * CHUNK_SIZE + self.manifest.chunk_length(last)))
         fps: list[Fprint] = []
         dests: list[memoryview] = []
         indices: list[int] = []
@@ -177,18 +193,23 @@ class Replica:
         for i in range(first, last + 1):
             fp = chunks[i]
             at = (i - first) * CHUNK_SIZE
+            length = self.manifest.chunk_length(i)
             if fp == ZERO_CHUNK_FPRINT:
-                continue  # the buffer starts zeroed
+                view[at : at + length] = _ZERO_VIEW[:length]  # the buffer holds an earlier reply's bytes
+                continue
             data = self._local.get(fp)
             if data is not None:
-                view[at : at + len(data)] = data
+                if len(data) != length:  # as in the one-chunk case above
+                    raise FetchError("%s: chunk %d has %d bytes where the manifest's length needs %d"
+                                     % (self.path, i, len(data), length))
+                view[at : at + length] = data
                 continue
             fps.append(fp)
-            dests.append(view[at : at + self.manifest.chunk_length(i)])
+            dests.append(view[at : at + length])
             indices.append(i)
         if fps:
             await self.fetcher.read_into(fps, dests, self._sources(indices))
-            if self._btree is not None:
+            if self._btree is not None and not self._streaming(cursor):
                 for i, dest in zip(indices, dests):
                     self._note(i, dest)
         return view[off - base : end - base]
@@ -207,8 +228,24 @@ class Replica:
         if self._btree is not None:
             self._btree.hint(off, first, last, hints)
         if hints:
-            remote = self._remote(hints)
-            self.fetcher.prefetch([self.manifest.chunks[i] for i in remote], sources=self._sources(remote))
+            fps, remote = self._remote_fprints(hints)
+            if fps:
+                self.fetcher.prefetch(fps, sources=self._sources(remote))
+
+    def _remote_fprints(self, indices: list[int]) -> tuple[list[Fprint], list[int]]:
+        """The fingerprints of the chunks of ``indices`` that would need a
+        fetch (in the file, not bundled, not the zero chunk), and their
+        indices: one pass, for a hint of hundreds of chunks per read."""
+        chunks, local, n = self.manifest.chunks, self._local, self.nchunks
+        fps: list[Fprint] = []
+        remote: list[int] = []
+        for i in indices:
+            if 0 <= i < n:
+                fp = chunks[i]
+                if fp not in local and fp != ZERO_CHUNK_FPRINT:
+                    fps.append(fp)
+                    remote.append(i)
+        return fps, remote
 
     def fetch_if_small(self) -> None:
         """At an open: the whole database, if it is small and packed
