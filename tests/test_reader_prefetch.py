@@ -155,3 +155,29 @@ def test_btree_prefetch_follows_a_scan_not_a_point_query(tmp_path, local_store):
         return True
 
     assert run(fetcher, go)
+
+
+def test_a_long_run_in_file_order_is_not_parsed_for_the_btree_readahead(tmp_path, local_store):
+    """Reads of a handle in file order parse their chunks for the b-tree
+    readahead until the sequential readahead's window is at its largest;
+    then the sequential readahead names every chunk ahead, and the chunks
+    are not parsed (a cold scan's CPU), unless read again outside such a run."""
+    pub = _scan_db(tmp_path, local_store)
+    fetcher = Fetcher(local_store, None, concurrency=8)
+    r = replica_of(pub, fetcher, PrefetchConfig(readahead_max=4))
+    assert r.nchunks >= 12
+
+    async def go():
+        bt = r._btree
+        cursor = Cursor()
+        for i in range(1, r.nchunks - 1, 2):  # two chunks a read, as the kernel's readahead asks
+            await r.read(i * CHUNK_SIZE, 2 * CHUNK_SIZE, cursor)
+        early = {1, 2, 3, 4}  # before the window reached readahead_max
+        assert early <= bt.parsed
+        late = set(range(9, r.nchunks - 1))
+        assert not late & bt.parsed
+        await r.read(9 * CHUNK_SIZE, 2 * CHUNK_SIZE, Cursor())  # a read outside the run
+        assert {9, 10} <= bt.parsed
+        return True
+
+    assert run(fetcher, go)
