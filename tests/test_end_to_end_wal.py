@@ -45,7 +45,9 @@ for i in range(int(sys.argv[4])):
         c.execute("PRAGMA wal_checkpoint(%s)" % mode)
 s = writer_vfs.stats(c)
 assert s["failed"] == 0 and s["wal_unreplicated"] == 0, s
-print(s["wal_snapshots"] + s["wal_coalesced"])  # staged, or covered by a later snapshot
+# Every commit pinned by a staging pass (a snapshot, or a state found staged by
+# an earlier pass that pinned a later commit), or coalesced into a later pass.
+print(s["wal_async"] + s["wal_sync"] + s["wal_coalesced"])
 """
 
 

@@ -315,16 +315,20 @@ for i in range(50):
 c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 c.execute("INSERT INTO t VALUES (1)")
 s = writer_vfs.stats(c)
-print(s["wal"], s["wal_snapshots"] + s["wal_coalesced"], s["failed"], s["wal_unreplicated"])
+print(s["wal"], s["wal_async"] + s["wal_sync"] + s["wal_coalesced"], s["wal_snapshots"], s["failed"],
+      s["wal_unreplicated"])
 """
     spool, db = str(tmp_path / "spool"), str(tmp_path / "wal.db")
     out = subprocess.run([sys.executable, "-c", script, spool, db],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
-    # Every commit staged, or covered by a later snapshot (coalesced).
-    wal, snapshots, failed, unreplicated = map(int, out.stdout.split())
-    assert wal == 1 and snapshots >= 52 and failed == 0 and unreplicated == 0, out.stdout
+    # Every WAL commit is the one a staging pass (the stager's, or the commit
+    # path's) pinned, or coalesced into a later pass. Not every pass makes a
+    # snapshot: one that pinned a later commit than it was handed covers the
+    # commits handed after it, and the next pass finds its state staged.
+    wal, handled, snapshots, failed, unreplicated = map(int, out.stdout.split())
+    assert wal == 1 and handled >= 52 and snapshots >= 1 and failed == 0 and unreplicated == 0, out.stdout
     assert_staged(db, spool, tmp_path)
 
 
