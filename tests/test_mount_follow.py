@@ -384,24 +384,30 @@ def test_a_handle_moves_only_at_a_transaction_start_with_a_clean_cache(rig):
 def test_hot_rereads_stay_in_the_page_cache(rig):
     """Short-lived readers one after another (`cat`, a Python connection)
     reuse one follower and its page cache: once the file was read, reading
-    it again sends no READ to the mount."""
+    it again sends no READ to the mount (but for pages the kernel evicted)."""
     data = _publish_rows(rig, "hot.db", 4000, seed=4)
     path = rig.mount.path(HOST, "data", "hot.db")
     wait_for(lambda: os.path.exists(path), 30, "hot.db")
     db = "/%s/data/hot.db" % HOST
 
-    def reads() -> int:
-        return rig.mount.stats()["databases"][db]["reads"]
+    def read_bytes() -> int:
+        return rig.mount.stats()["databases"][db]["read_bytes"]
 
+    # What reaches the mount once the file was read is at most a few pages
+    # the kernel evicted meanwhile: this VM pages out page-cache pages of
+    # the physical regions its DAMON finds cold (kdamond's `pageout`
+    # scheme), whatever file they hold. A page cache dropped would send the
+    # file again (each `cat` below reads all of it).
+    few = len(data) // 4
     assert subprocess.run(["cat", path], stdout=subprocess.PIPE, check=True).stdout == data
-    before = reads()
+    before = read_bytes()
     inodes = set()
     for _ in range(3):
         assert subprocess.run(["cat", path], stdout=subprocess.PIPE, check=True).stdout == data
         with contextlib.closing(_connect(path)) as con:
             assert con.execute("SELECT count(*) FROM t").fetchone() == (4000,)
         inodes.add(os.stat(path).st_ino)
-    assert reads() == before
+    assert read_bytes() - before < few
     assert len(inodes) == 1
     # A stat in one thread, then an open in another (Spark's driver plans
     # its tasks by the files' sizes, then the tasks open them): one
@@ -419,4 +425,4 @@ def test_hot_rereads_stay_in_the_page_cache(rig):
     reader = threading.Thread(target=task)
     reader.start()
     reader.join(30)
-    assert seen == [(inodes.pop(), True)] and reads() == before
+    assert seen == [(inodes.pop(), True)] and read_bytes() - before < few
