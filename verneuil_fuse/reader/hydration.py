@@ -84,7 +84,7 @@ class FetcherHydration:
                 # The block's places in the disk cache, back to back in file
                 # order, before the other database hydrating meanwhile takes
                 # the next ones (its flights start as slots free up).
-                slots = [cache.reserve() if cache is not None else None for _ in block]
+                slots = cache.reserve_many(len(block)) if cache is not None else [None] * len(block)
                 try:
                     for k, fp in enumerate(block):
                         await sem.acquire()

@@ -15,7 +15,7 @@ chunks they name to the fetcher, which skips those cached or under way.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from verneuil_fuse.format import (CHUNK_SIZE, MAX_RUN_BYTES, ZERO_CHUNK_FPRINT, ChunkSource, Fprint, Manifest,
                                   chunk_source)
@@ -119,10 +119,6 @@ class Replica:
     def chunk_fprint(self, index: int) -> Fprint:
         return self.manifest.chunks[index]
 
-    def is_local(self, index: int) -> bool:
-        fp = self.manifest.chunks[index]
-        return fp in self._local or fp == ZERO_CHUNK_FPRINT
-
     def chunk_nowait(self, index: int) -> bytes | None:
         """The chunk if it needs no waiting (bundled, zero, in memory, or in
         the disk cache and the page cache), else None."""
@@ -215,10 +211,6 @@ class Replica:
         return view[off - base : end - base]
 
     # --------------------------------------------------------------- prefetch
-    def _remote(self, indices) -> list[int]:
-        """The chunks of ``indices`` that would need a fetch."""
-        return [i for i in indices if 0 <= i < self.nchunks and not self.is_local(i)]
-
     def _hint(self, off: int, end: int, first: int, last: int, cursor: Cursor | None) -> None:
         """Hand the fetcher the chunks the prefetch policies name for this
         read (`prefetch.py`)."""
@@ -232,7 +224,7 @@ class Replica:
             if fps:
                 self.fetcher.prefetch(fps, sources=self._sources(remote))
 
-    def _remote_fprints(self, indices: list[int]) -> tuple[list[Fprint], list[int]]:
+    def _remote_fprints(self, indices: Iterable[int]) -> tuple[list[Fprint], list[int]]:
         """The fingerprints of the chunks of ``indices`` that would need a
         fetch (in the file, not bundled, not the zero chunk), and their
         indices: one pass, for a hint of hundreds of chunks per read."""
@@ -259,8 +251,8 @@ class Replica:
     def all_remote_chunks(self) -> tuple[list[Fprint], list[ChunkSource] | None]:
         """Every chunk that would need a fetch (for eager hydration), and
         where each is in a packed store (None in Verneuil's layout)."""
-        remote = self._remote(range(self.nchunks))
-        return [self.manifest.chunks[i] for i in remote], self._sources(remote)
+        fps, remote = self._remote_fprints(range(self.nchunks))
+        return fps, self._sources(remote)
 
     def describe(self) -> dict:
         return {
