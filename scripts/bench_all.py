@@ -85,6 +85,9 @@ PACK_CHUNKS = 16
 PACK_PREFIX = "pack-"
 # tmpfs, for the files the nginx rig serves (`Bench._rig_static_dir`).
 RAM_DIR = "/dev/shm"
+# --perf's sampling rate: a prime near 1 kHz (no lockstep with timers), ~2,000
+# samples per core over a 2 s scan, a file of a few MB.
+PERF_HZ = 997
 
 MODES = {
     "quick": dict(size_mb=16, runs=1, point_runs=1, writer_mb=10, writer_rounds=(100, 300),
@@ -438,6 +441,21 @@ class Bench:
         time.sleep(1.0)  # attached
         return spy
 
+    def _perf(self, system: str):
+        """With --perf DIR: `perf record` of the whole machine (every process
+        and the kernel, call graphs) during `system`'s cold scan, in
+        DIR/<system>-<n>.data, until SIGINT; else None."""
+        if not self.args.perf:
+            return None
+        if shutil.which("perf") is None:
+            raise RuntimeError("--perf needs perf (Debian package linux-perf)")
+        os.makedirs(self.args.perf, exist_ok=True)
+        out = os.path.join(self.args.perf, "%s-%d.data" % (system, self.n_mounts))
+        rec = subprocess.Popen(["perf", "record", "-a", "-g", "-F", str(PERF_HZ), "-o", out],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # recording
+        return rec
+
     def _drop_caches_on_disk(self) -> None:
         """Remove the disk caches of stopped mounts (bounded disk use)."""
         for name in os.listdir(self.work):
@@ -517,13 +535,15 @@ class Bench:
                 before = self.counted()
                 cpu = process_cpu_seconds(m.proc.pid)
                 spy = self._profile(m.proc.pid, system)
+                rec = self._perf(system)
                 threads = thread_cpu_seconds(m.proc.pid)
                 machine = machine_busy_seconds()
                 dt, got = self._timed(path, SCAN_SQL)
                 machine = machine_busy_seconds() - machine
-                if spy is not None:
-                    spy.send_signal(signal.SIGINT)
-                    spy.wait(60)
+                for sampler in (spy, rec):
+                    if sampler is not None:
+                        sampler.send_signal(signal.SIGINT)
+                        sampler.wait(60)
                 after = thread_cpu_seconds(m.proc.pid)
                 by_tid = {tid: cpu_s - threads.get(tid, (name, 0.0))[1] for tid, (name, cpu_s) in after.items()}
                 if spy is not None:
@@ -603,9 +623,14 @@ class Bench:
                     vals = [r[k] for r in runs if k in r]
                     if vals:
                         fig[k] = median(vals)
+                cpus = [r["cpu_s"] for r in runs if "cpu_s" in r]
+                if len(cpus) == len(runs):  # each run's, beside all_s (builds compared run by run)
+                    fig["all_cpu_s"] = cpus
                 split = [r["cpu_ms_per_get_by_thread"] for r in runs if "cpu_ms_per_get_by_thread" in r]
                 if split:
                     fig["cpu_ms_per_get_by_thread"] = {role: median([x[role] for x in split]) for role in split[0]}
+                    if len(split) == len(runs):
+                        fig["all_cpu_ms_per_get_by_thread"] = split
                 if kind != "point":
                     fig["MBps"] = round(size / 1e6 / fig["median_s"], 1)
                 agg[kind] = fig
@@ -1286,6 +1311,9 @@ def main(argv=None) -> int:
                    help="more -o options for the verneuil mounts (e.g. concurrency=64)")
     p.add_argument("--profile", metavar="DIR",
                    help="sample the mount with py-spy during each cold scan (collapsed stacks in DIR)")
+    p.add_argument("--perf", metavar="DIR",
+                   help="record the whole machine with perf (call graphs) during each cold scan "
+                        "(DIR/<system>-<n>.data; `perf report -i ... --sort comm,dso`)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--replot", action="store_true",
                    help="only rewrite results.md and the PNGs from --out's results.json")
