@@ -550,3 +550,35 @@ def test_manifest_cache_keeps_the_disk_reserve(small_fs):
         assert mc.get("k") == entry and mc.stats()["skipped"] == 1
     finally:
         mc.close()
+
+
+def test_memory_lru_counts_a_run_buffer_once_while_any_of_its_chunks_is_held():
+    """Chunks that are views of one run buffer (`chunk_engine.RUN_BUFFER_PARTS`)
+    keep all of it alive: the memory LRU counts the buffer, once, while any
+    of them is held, and evicts until what it holds fits."""
+    from verneuil_fuse.reader.cache import MemoryLRU
+
+    run_a = bytes(8 * CHUNK_SIZE)
+    run_b = bytes(8 * CHUNK_SIZE)
+    lru = MemoryLRU(12 * CHUNK_SIZE)
+    views = [memoryview(run_a)[k * CHUNK_SIZE:(k + 1) * CHUNK_SIZE] for k in range(8)]
+    for k, view in enumerate(views):
+        lru.put(fingerprint(b"a%d" % k), view)
+    assert lru.size == 8 * CHUNK_SIZE and len(lru._items) == 8
+    lru.put(fingerprint(b"small"), b"x" * 1000)
+    assert lru.size == 8 * CHUNK_SIZE + 1000
+    lru.put(fingerprint(b"a3"), views[3])  # the same chunk again: no second count
+    assert lru.size == 8 * CHUNK_SIZE + 1000
+    # A second buffer does not fit beside the first: entries go, oldest
+    # first, until the first buffer's last chunk (a3, used again) has gone,
+    # which is when its memory is free.
+    lru.put(fingerprint(b"b0"), memoryview(run_b)[:CHUNK_SIZE])
+    assert lru.size == 8 * CHUNK_SIZE
+    assert lru.get(fingerprint(b"a0")) is None and lru.get(fingerprint(b"a3")) is None
+    assert lru.get(fingerprint(b"small")) is None
+    assert bytes(lru.get(fingerprint(b"b0"))) == bytes(CHUNK_SIZE)
+    assert list(lru._bases.values()) == [1]
+    # A buffer larger than the whole LRU is not kept at all.
+    huge = bytes(13 * CHUNK_SIZE)
+    lru.put(fingerprint(b"h"), memoryview(huge)[:10])
+    assert lru.get(fingerprint(b"h")) is None and lru.size == 8 * CHUNK_SIZE

@@ -12,7 +12,7 @@ from verneuil_fuse.reader.tree import Directory
 from verneuil_fuse.reader.paths import display_path
 from verneuil_fuse.reader.fetcher import Fetcher
 from verneuil_fuse.format import CHUNK_SIZE, manifest_name
-from verneuil_fuse.reader.replica import Replica
+from verneuil_fuse.reader.replica import Cursor, Replica
 from verneuil_fuse.reader.replies import ReplyBuffers
 
 
@@ -197,6 +197,39 @@ def test_reply_buffers_are_reused_only_when_free(local_store):
         for off, got in held:
             assert got == data[off:off + 2 * CHUNK_SIZE]
         assert r._replies.reused > 0
+
+    run(local_store, go)
+
+
+def test_reads_of_a_run_of_a_pack_are_views_of_its_buffer(local_store):
+    """A packed replica's read of several chunks that one run brought in is
+    answered with a view of the run's buffer (`Fetcher.span`), no copy; any
+    other read (across two runs, with a zero chunk) is copied into a reply:
+    the bytes are the file's either way, and stay so while replies are
+    kept."""
+    data = bytearray(os.urandom(40 * CHUNK_SIZE + 1234))
+    data[9 * CHUNK_SIZE:10 * CHUNK_SIZE] = bytes(CHUNK_SIZE)  # a zero chunk, never fetched
+    data = bytes(data)
+    publish(local_store, data, "/runs.db", packed=4 << 20)
+
+    async def go(cat):
+        await cat.refresh()
+        r = await first_replica(cat)
+        cursor = Cursor()
+        kept = []
+        for off in range(0, len(data), 1 << 20):  # a scan's 1 MiB reads: views once the runs are in
+            got = await r.read(off, 1 << 20, cursor)
+            assert got == data[off:off + (1 << 20)]
+            kept.append((off, got))
+        for rnd in range(30):  # reads anywhere, of two or three chunks
+            off = (rnd * 104729) % (len(data) - 3 * CHUNK_SIZE)
+            got = await r.read(off, 2 * CHUNK_SIZE + rnd * 100)
+            assert got == data[off:off + 2 * CHUNK_SIZE + rnd * 100]
+            kept.append((off, got))
+        for off, got in kept:
+            assert got == data[off:off + len(got)]
+        assert r.fetcher.stats["spans"] > 0
+        assert any(isinstance(got, memoryview) and type(got.obj) is bytes for _, got in kept)
 
     run(local_store, go)
 

@@ -12,7 +12,7 @@ import trio
 from support.replicas import publish
 from verneuil_fuse.reader.cache import FORMAT_DIR, ChunkCache
 from verneuil_fuse.reader.fetcher import FetchError, Fetcher
-from verneuil_fuse.format import compress_chunk, fingerprint
+from verneuil_fuse.format import CHUNK_SIZE, compress_chunk, fingerprint
 from verneuil_fuse.store import NO_CAPABILITIES, Capabilities, DirectGets, NotFound, TransientError
 
 
@@ -648,3 +648,91 @@ def test_readahead_top_ups_of_a_pack_join_their_runs(where, request, monkeypatch
     assert [bytes(b) for b in run(f, go)] == [pub.chunks[fp] for fp in fps]
     runs = 4 if where == "s3" else (len(fps) + 1) // 2  # 2 chunks, then runs of 15, 15 and 7; else each top-up
     assert f.stats["store_fetches"] == len(fps) and f.stats["gets"] == runs, f.stats["gets"]
+
+
+def test_a_run_of_a_pack_is_served_as_one_view_of_its_buffer(local_store, monkeypatch):
+    """The chunks of a run of a pack are decoded one after another into one
+    buffer: a span of them in memory is one view of it, no copy
+    (`Fetcher.span`); a span across two runs, or whose last chunk has another
+    length than asked, is not. The memory LRU counts each run buffer once,
+    and a buffer is decoded into again, or let go, only once nothing refers
+    to it."""
+    from verneuil_fuse.format import chunk_source
+    from verneuil_fuse.reader import chunk_engine, flights
+
+    monkeypatch.setattr(flights, "RUN_BYTES", 1 << 20)  # runs of 16 chunks (raw blobs)
+    monkeypatch.setattr(chunk_engine, "RUN_BUFFER_STEP", 8)
+    data = os.urandom(65536 * 34)
+    pub = publish(local_store, data, "/db/runs.db", packed=4 << 20, compress=False)
+    m = pub.manifest
+    first, second = list(range(1, 17)), list(range(17, 33))
+    f = Fetcher(local_store, None, retries=1, backoff=0.01)
+
+    async def fetch(indices, span):
+        f.prefetch([m.chunks[i] for i in indices], sources=[chunk_source(m, i) for i in indices])
+        return await f.span_after_flights([m.chunks[i] for i in span], CHUNK_SIZE)
+
+    async def go():
+        # Across the two runs: no one view (the caller copies), once both are in.
+        assert await fetch(first + second, first + second) is None
+        assert f.stats["gets"] == 2  # two runs of 16 chunks
+        whole = f.span(m.chunks[1:11], CHUNK_SIZE)
+        assert whole is not None and whole == data[65536:65536 * 11]
+        base = whole.obj
+        assert type(base) is bytes and len(base) == 16 * CHUNK_SIZE  # the first run's buffer
+        again = f.span(m.chunks[4:17], CHUNK_SIZE)
+        assert again.obj is base and again == data[65536 * 4:65536 * 17]
+        assert f.span(m.chunks[11:21], CHUNK_SIZE) is None  # across two runs
+        assert f.span(m.chunks[4:6], 100) is None  # a last chunk of another length than asked
+        assert f.stats["spans"] == 2
+        # The LRU holds 32 chunks of two buffers of 16: it counts the buffers.
+        assert f.mem.size == 2 * 16 * CHUNK_SIZE
+        pool = f._engine._engine.run_buffers
+        assert pool.made == 2 and pool.reused == 0
+        # A view kept (a reply being sent) keeps its buffer; dropped from
+        # the LRU and from the held chunks, the other one is free again: the
+        # next run is decoded into it, and serves its own bytes.
+        f.mem = type(f.mem)(f.mem.capacity)
+        f._held.clear()
+        f._held_bases.clear()
+        del again, base
+        later = await fetch(second, second)
+        assert pool.made == 2 and pool.reused == 1  # the second run's buffer; the first one is still kept
+        assert later == data[65536 * 17:65536 * 33] and whole == data[65536:65536 * 11]
+        # With no request under way, the free buffers are let go, never one
+        # a chunk or a reply still refers to.
+        pool.let_go()
+        assert len(pool._pool) == 2
+        f.mem = type(f.mem)(f.mem.capacity)
+        f._held.clear()
+        f._held_bases.clear()
+        del whole, later
+        pool.let_go()
+        assert pool._pool == []
+
+    run(f, go)
+
+
+def test_held_chunks_keep_few_run_buffers_alive(local_store):
+    """A chunk held for a read (`landing.HOLD_SECONDS`) that is a view of a
+    run buffer stays a view while the held chunks keep at most
+    `HOLD_RUN_BUFFERS` buffers alive, and is held as a copy beyond; letting
+    held chunks go lets their buffers go."""
+    from verneuil_fuse.reader.landing import HOLD_CHUNKS, HOLD_RUN_BUFFERS
+
+    f = Fetcher(local_store, None)
+    runs = [os.urandom(2 * CHUNK_SIZE) for _ in range(HOLD_RUN_BUFFERS + 2)]
+
+    async def go():
+        for k, buf in enumerate(runs):
+            for half in range(2):
+                f._hold(fingerprint(b"%d-%d" % (k, half)), memoryview(buf)[half * CHUNK_SIZE:(half + 1) * CHUNK_SIZE])
+        held = [f._memory(fingerprint(b"%d-%d" % (k, half))) for k in range(len(runs)) for half in range(2)]
+        assert [type(d) for d in held] == [memoryview] * (2 * HOLD_RUN_BUFFERS) + [bytes] * 4
+        assert [bytes(d) for d in held] == [buf[h * CHUNK_SIZE:(h + 1) * CHUNK_SIZE] for buf in runs for h in range(2)]
+        assert len(f._held_bases) == HOLD_RUN_BUFFERS
+        for k in range(HOLD_CHUNKS):  # newer chunks push the held views out
+            f._hold(fingerprint(b"new-%d" % k), b"x")
+        assert f._held_bases == {} and len(f._held) == HOLD_CHUNKS
+
+    trio.run(go)

@@ -96,7 +96,8 @@ MOUNT_SERIES: tuple[Series, ...] = tuple(
         "prefetch_hits": "reads served by a prefetched chunk", "manifest_gets": "manifest GETs",
         "lists": "listings of the store", "too_large": "store objects refused for their size",
         "failed_fast": "reads failed at once after a recent give-up on the same chunk",
-        "prefetch_throttled": "prefetch hints dropped while the store throttles"})
+        "prefetch_throttled": "prefetch hints dropped while the store throttles",
+        "spans": "read requests answered with a view of the buffer one range GET was decoded into"})
     + [
         _s("fetch.prefetch_waste", "verneuil_fetch_prefetch_unread_chunks", GAUGE,
            "chunks prefetched and not read yet"),

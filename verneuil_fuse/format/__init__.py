@@ -17,8 +17,8 @@ from verneuil_fuse.format.manifest import (CHUNK_ZSTD_LEVEL, DEFAULT_MAX_DB_SIZE
                                            manifest_blob_limit, raw_manifest, same_manifest, snapshot_of,
                                            stored_fields, words_of, zstd_frame_bound)
 from verneuil_fuse.format.packs import (MAX_PACK_BYTES, MAX_RUN_BYTES, PACK_KEY_PREFIX, ChunkSource,
-                                        PackedLayout, Run, chunk_runs, chunk_source, pack_key, parse_pack_key,
-                                        space_prefix, stored_objects, strip_layout, with_layout)
+                                        PackedLayout, Run, chunk_runs, chunk_source, chunk_sources, pack_key,
+                                        parse_pack_key, space_prefix, stored_objects, strip_layout, with_layout)
 from verneuil_fuse.format.names import (CHUNK_SIZE, ZERO_CHUNK_FPRINT, ZERO_CHUNK_NAME, BadName, ManifestName,
                                         chunk_fingerprint, local_hostname, manifest_name,
                                         parse_chunk_name, parse_manifest_name, percent_encode)

@@ -149,7 +149,11 @@ class ChunkList(Sequence):
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
+            start, stop, step = index.indices(len(self))
+            if step == 1:  # a run of chunks (a read request's): no lookup per chunk
+                it = iter(self._words[2 * start:2 * max(start, stop)])
+                return list(itertools.starmap(Fprint, zip(it, it)))
+            return [self[i] for i in range(start, stop, step)]
         n = len(self._words) >> 1
         index = index.__index__()
         if index < 0:

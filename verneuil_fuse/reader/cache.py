@@ -404,12 +404,18 @@ class ChunkCache(CacheReads, Segments):
 
 
 class MemoryLRU:
-    """A small in-process LRU of hot chunks (thread-safe, bounded in bytes)."""
+    """A small in-process LRU of hot chunks (thread-safe, bounded in bytes).
+
+    A chunk may be a view of a run buffer (`chunk_engine.RUN_BUFFER_PARTS`),
+    which keeps the whole buffer alive: such a buffer counts once, all of
+    it, while any of its chunks is here, so that the bound is on the memory
+    the LRU holds, however few chunks of a run stay."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._size = 0
-        self._items: OrderedDict[Fprint, bytes] = OrderedDict()
+        self._items: OrderedDict[Fprint, bytes | memoryview] = OrderedDict()
+        self._bases: dict[int, int] = {}  # id of a run buffer -> its chunks here
         self._lock = threading.Lock()
 
     @property
@@ -417,7 +423,7 @@ class MemoryLRU:
         """Bytes held now."""
         return self._size
 
-    def get(self, fp: Fprint) -> bytes | None:
+    def get(self, fp: Fprint) -> bytes | memoryview | None:
         with self._lock:
             data = self._items.get(fp)
             if data is not None:
@@ -427,15 +433,36 @@ class MemoryLRU:
     def __contains__(self, fp: Fprint) -> bool:
         return fp in self._items
 
-    def put(self, fp: Fprint, data: bytes) -> None:
-        if len(data) > self.capacity:
+    def _charge(self, data: bytes | memoryview) -> int:
+        """Bytes that holding ``data`` adds (lock held)."""
+        if type(data) is not memoryview:
+            return len(data)
+        key = id(data.obj)
+        held = self._bases.get(key, 0)
+        self._bases[key] = held + 1
+        return 0 if held else len(data.obj)
+
+    def _release(self, data: bytes | memoryview) -> int:
+        """Bytes that dropping ``data`` frees (lock held)."""
+        if type(data) is not memoryview:
+            return len(data)
+        key = id(data.obj)
+        held = self._bases[key] - 1
+        if held:
+            self._bases[key] = held
+            return 0
+        del self._bases[key]
+        return len(data.obj)
+
+    def put(self, fp: Fprint, data: bytes | memoryview) -> None:
+        if len(data if type(data) is not memoryview else data.obj) > self.capacity:
             return
         with self._lock:
             old = self._items.pop(fp, None)
             if old is not None:
-                self._size -= len(old)
+                self._size -= self._release(old)
             self._items[fp] = data
-            self._size += len(data)
+            self._size += self._charge(data)
             while self._size > self.capacity:
                 _, dropped = self._items.popitem(last=False)
-                self._size -= len(dropped)
+                self._size -= self._release(dropped)

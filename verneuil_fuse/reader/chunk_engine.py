@@ -10,7 +10,10 @@ the engine's thread (libcurl; a Range header for a range), or a read of a
 local file (a directory store: pread on the engine's worker threads,
 ``workers`` of them). Its `Part`s are its chunks: where each blob lies in
 the bytes read, its fingerprint, where its verified bytes go in the disk
-cache (`CacheSlot.target`) and whether they come back in memory (``keep``).
+cache (`CacheSlot.target`) and whether they come back in memory (``keep``):
+each in a `bytes` object of its own, or, for a run of several chunks, all
+in one run buffer, a chunk's size apart, each handed back as a view of its
+place (`RUN_BUFFER_PARTS`, `RunBuffers`).
 
 `ChunkEngine` owns a fixed pool of requests. `submit` starts `Read`s (one
 request each; `start` is the one-chunk GET of a chunk object); the GETs'
@@ -31,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
@@ -61,6 +65,32 @@ _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 # cold, one chunk file a request: 2.2-3.0 s with 1 worker, 1.2-1.35 s with
 # 2, 0.8-1.0 s with 4, 0.8 s with 8).
 READ_WORKERS = 4
+
+# A request of at least this many parts, all kept, decodes them into one
+# buffer, a chunk's size apart, and hands each chunk back as a view of its
+# place there: a read request of the kernel whose chunks are all in one run
+# (a scan's 1 MiB reads of 4 MiB runs) is answered with a view of the
+# buffer, not a copy (`fetcher.Fetcher.span`). Fewer parts (a point query's,
+# a b-tree prefetch's few siblings) get a bytes object each: a small chunk
+# kept in memory then holds no larger buffer alive.
+RUN_BUFFER_PARTS = 4
+# Run buffers of at least this many chunks (a scan's runs: `RUN_BYTES` of
+# blobs, 64-80 chunks) are made in sizes of a multiple of it and reused
+# once nothing refers to them (`RunBuffers`): a new one of 4-5 MiB costs the
+# page faults of fresh memory on the engine's thread as it decodes (+0.15 ms
+# of its CPU per GET in a cold scan). Smaller runs (a b-tree prefetch's
+# siblings) get a buffer of their own size, so that a few chunks kept in
+# memory never hold a buffer much larger than themselves.
+RUN_BUFFER_STEP = 16
+# Pooled run buffers at most, free or not: the memory LRU's (64 MiB, ~14
+# runs), the readahead's requests in flight (~12) and a margin. The free
+# ones are let go when no request is under way (`RunBuffers.let_go`).
+RUN_BUFFERS = 32
+
+# References to a free pooled run buffer seen by `sys.getrefcount(buf)` in
+# `RunBuffers.take`: the pool's list, the loop's name and the call's
+# argument.
+_FREE_REFS = 3
 
 # A part whose bytes do not go to the disk cache: (data fd, index fd, offset).
 _NO_TARGET = (-1, -1, 0)
@@ -93,6 +123,13 @@ class Read(NamedTuple):
     end: int | None = None
     timeout: float = 30.0
     file: bool = False
+
+
+def address(buffer: Any) -> int:
+    """Where ``buffer``'s bytes start in memory: chunks decoded into one run
+    buffer are one span of it when each starts where the one before ends
+    (`fetcher.Fetcher.span`)."""
+    return int(ffi.cast("uintptr_t", ffi.from_buffer(buffer)))
 
 
 def run_reads(run: Run, where: str, part: Callable[[int], Part], max_parts: int, timeout: float = 30.0,
@@ -132,6 +169,45 @@ class Outcome:
     verified: bool = False
 
 
+class RunBuffers:
+    """The buffers of runs of `RUN_BUFFER_STEP` chunks or more, reused once
+    nothing refers to them. A chunk decoded into one is handed out as a view
+    of its place with a managed buffer of its own (`ChunkEngine._kept`), so
+    each such view counts in the buffer's reference count: a buffer whose
+    only references are the pool's own is free, and only then written into
+    again. Not thread-safe: trio's thread only (the engine writes into a
+    buffer only while its request, which holds it, is under way)."""
+
+    __slots__ = ("_pool", "made", "reused")
+
+    def __init__(self) -> None:
+        self._pool: list[bytes] = []
+        self.made = 0
+        self.reused = 0
+
+    def take(self, parts: int) -> bytes:
+        """A buffer for ``parts`` chunks (at least)."""
+        if parts < RUN_BUFFER_STEP:
+            self.made += 1
+            return _new_bytes(None, parts * CHUNK_SIZE)
+        size = -(-parts // RUN_BUFFER_STEP) * RUN_BUFFER_STEP * CHUNK_SIZE
+        pool = self._pool
+        for buf in pool:
+            if len(buf) == size and sys.getrefcount(buf) == _FREE_REFS:
+                self.reused += 1
+                return buf
+        buf = _new_bytes(None, size)
+        self.made += 1
+        if len(pool) < RUN_BUFFERS:
+            pool.append(buf)
+        return buf
+
+    def let_go(self) -> None:
+        """Drop the free buffers (no request under way: a scan is over), so
+        that an idle mount keeps only those its chunks in memory hold."""
+        self._pool = [buf for buf in self._pool if sys.getrefcount(buf) > _FREE_REFS]
+
+
 class ChunkEngine:
     """A pool of ``slots`` requests in C of up to ``max_parts`` chunks each
     (see the module's docstring), with ``workers`` threads for file reads
@@ -152,14 +228,21 @@ class ChunkEngine:
         self._requests = [lib.vn_ce_request(self._engine, i) for i in range(slots)]
         self._free = list(range(slots))
         self._tokens: list[list[Any] | None] = [None] * slots
-        self._dests: list[list[bytes | None] | None] = [None] * slots  # where kept parts are decoded
+        # Where each request's kept parts are decoded (`_fill`).
+        self._dests: list[list[bytes | None] | bytes | None] = [None] * slots
         self._taken = ffi.new("int[]", slots)
         self._auth: tuple | None = None
+        self.run_buffers = RunBuffers()
 
     @property
     def free(self) -> int:
         """Requests that may start now."""
         return len(self._free)
+
+    @property
+    def idle(self) -> bool:
+        """No request is under way."""
+        return len(self._free) == len(self._requests)
 
     def set_auth(self, headers: list[str], sigv4: tuple[str, str, str] | None,
                  connect_timeout: float, idle_timeout: float) -> None:
@@ -208,25 +291,34 @@ class ChunkEngine:
                 raise ValueError("the chunk engine takes no such request (parts, range or path)")
             raise OSError(err, "the chunk engine takes no request: %s" % os.strerror(err))
 
-    def _fill(self, r: Any, read: Read) -> list[bytes | None]:
-        """Request ``r`` set up for ``read``; returns the bytes objects its
-        kept parts are decoded into (held until the request ends)."""
+    def _fill(self, r: Any, read: Read) -> list[bytes | None] | bytes:
+        """Request ``r`` set up for ``read``; returns where its kept parts
+        are decoded (held until the request ends): a bytes object per part,
+        or one run buffer for them all (`RUN_BUFFER_PARTS`)."""
         raw = read.where.encode()
         if len(raw) >= lib.VN_CE_URL_MAX:
             raise ValueError("URL longer than %d bytes: %s..." % (lib.VN_CE_URL_MAX - 1, read.where[:80]))
-        if not 0 < len(read.parts) <= self.max_parts:
-            raise ValueError("%d parts for a request of at most %d" % (len(read.parts), self.max_parts))
+        n = len(read.parts)
+        if not 0 < n <= self.max_parts:
+            raise ValueError("%d parts for a request of at most %d" % (n, self.max_parts))
         r.kind = lib.VN_CE_READ if read.file else lib.VN_CE_GET
         r.url = raw
         r.start = read.start
         r.end = -1 if read.end is None else read.end
-        r.nparts = len(read.parts)
+        r.nparts = n
         r.timeout_ms = max(1, int(read.timeout * 1000))
         parts = r.parts
+        # The whole part in one assignment (fp, lo, hi, data_fd, idx_fd,
+        # offset, keep, dest; what the engine sets is zeroed).
+        if n >= RUN_BUFFER_PARTS and all(part.keep for part in read.parts):
+            run = self.run_buffers.take(n)
+            at = ffi.from_buffer("unsigned char[]", run)
+            for k, part in enumerate(read.parts):
+                data_fd, idx_fd, offset = part.target if part.target is not None else _NO_TARGET
+                parts[k] = (part.fp, part.lo, part.hi or 0, data_fd, idx_fd, offset, 1, at + k * CHUNK_SIZE)
+            return run
         dests: list[bytes | None] = []
         for k, part in enumerate(read.parts):
-            # The whole part in one assignment (fp, lo, hi, data_fd, idx_fd,
-            # offset, keep, dest; what the engine sets is zeroed).
             data_fd, idx_fd, offset = part.target if part.target is not None else _NO_TARGET
             if part.keep:
                 dest = _new_bytes(None, CHUNK_SIZE)
@@ -266,24 +358,35 @@ class ChunkEngine:
         self._free.append(i)
         assert tokens is not None and dests is not None
         failure = None if r.result in (lib.VN_CE_CHUNK, lib.VN_CE_MISMATCH, lib.VN_CE_SHORT) else self._failure(r)
-        for k, token in enumerate(tokens):
-            out.append((token, self._part_outcome(r, r.parts[k], dests[k], failure)))
+        parts = r.parts
+        if type(dests) is bytes:  # one run buffer, a chunk's size per part
+            for k, token in enumerate(tokens):
+                out.append((token, self._part_outcome(r, parts[k], dests, failure, k * CHUNK_SIZE)))
+        else:
+            for k, token in enumerate(tokens):
+                out.append((token, self._part_outcome(r, parts[k], dests[k], failure)))
 
     @staticmethod
-    def _kept(p: Any, dest: bytes | None) -> bytes | None:
+    def _kept(p: Any, dest: bytes | None, at: int | None) -> bytes | memoryview | None:
         """A verified part's bytes, if kept: its bytes object (a copy of its
-        start for a chunk shorter than a chunk's size, the last of a file)."""
+        start for a chunk shorter than a chunk's size, the last of a file),
+        or, in a run buffer (``at``: the part's place in it), a view of its
+        place there (a view of its own, so that the buffer's reference count
+        counts the chunks that hold it)."""
         if dest is None:
             return None
+        if at is not None:
+            return memoryview(dest)[at:at + p.length]
         return dest if p.length == CHUNK_SIZE else dest[:p.length]
 
-    def _part_outcome(self, r: Any, p: Any, dest: bytes | None, failure: Any) -> Outcome:
+    def _part_outcome(self, r: Any, p: Any, dest: bytes | None, failure: Any, at: int | None = None) -> Outcome:
         """One part's `Outcome` (``dest``: the bytes object its kept bytes
-        were decoded into); ``failure``: the whole request's."""
+        were decoded into, at ``at`` in a run buffer); ``failure``: the
+        whole request's."""
         result = p.result
         size = (p.hi - p.lo) if p.hi else r.body_len
         if result == lib.VN_CE_CHUNK:
-            return Outcome(data=self._kept(p, dest), size=size, verified=True,
+            return Outcome(data=self._kept(p, dest, at), size=size, verified=True,
                            written=p.data_fd >= 0 and not p.write_errno, write_errno=p.write_errno)
         if result == lib.VN_CE_MISMATCH:
             return Outcome(size=size, mismatch=True)

@@ -43,7 +43,8 @@ failed on the engine (a pack's chunk: one range read in a thread), and
 every read of a backend that gives neither.
 
 `Fetcher` is the read path (memory, disk cache, flights joined or started,
-prefetch) and its settings and stats; each of its other jobs is a part of
+prefetch; `span`: the chunks of one read as one view of the run buffer a
+range read of a pack decoded them into) and its settings and stats; each of its other jobs is a part of
 its own, in its own module: `manifest_source` (manifests for the catalog),
 `flight_runs` (a flight from start to end, the engine path's answers),
 `store_gets` (a chunk's GETs, retries and deadline, the store's health),
@@ -57,8 +58,9 @@ from typing import Any, Iterable
 
 import trio
 
-from verneuil_fuse.format import DEFAULT_MAX_DB_SIZE, ChunkSource, Fprint
+from verneuil_fuse.format import CHUNK_SIZE, DEFAULT_MAX_DB_SIZE, ChunkSource, Fprint
 from verneuil_fuse.reader.cache import CacheSlot, ChunkCache, MemoryLRU
+from verneuil_fuse.reader.chunk_engine import address
 from verneuil_fuse.reader.flight_runs import FlightRuns
 from verneuil_fuse.reader.flights import DONE, EnginePath, Flight
 from verneuil_fuse.reader.hydration import FetcherHydration
@@ -100,9 +102,10 @@ DEFAULT_BACKOFF = 0.05
 DEFAULT_RETRIES = 4
 # Prefetches under way at once, waiting for a slot included: past this, a
 # hint is dropped (a chunk the sequential readahead does not ask for again:
-# its read waits for a GET). Twice the largest readahead window, so that a
-# scan's window and the runs still landing behind it fit (with 512, a cold
-# scan of a packed store dropped 1,100 of its 15,000 prefetches).
+# its read waits for a GET). A third more than the largest readahead window
+# (768), so that a scan's window and the runs still landing behind it fit:
+# a cold scan of a packed store drops none (with 512 for a window of 512, it
+# dropped 1,100 of its 15,000 prefetches).
 DEFAULT_MAX_PREFETCH_FLIGHTS = 1024
 # The in-memory LRU of chunks (`MemoryLRU`): 64 MiB, a thousand chunks.
 DEFAULT_MEM_CACHE_BYTES = 64 << 20
@@ -132,6 +135,7 @@ STAT_NAMES = (
     "too_large",  # objects larger than their bound, never read
     "failed_fast",  # demand reads answered from a recent give-up
     "prefetch_throttled",  # prefetch hints dropped while the store throttles
+    "spans",  # read requests of several chunks answered with a view of their run buffer (`span`)
 )
 
 # Default longest wait for one chunk, retries included, before the read fails:
@@ -224,7 +228,8 @@ class Fetcher(ManifestSource, StoreGets, FlightRuns, Landing, FetcherHydration):
         self._prefetch_flights = 0
         self._prefetched_unused: set[Fprint] = set()
         # Chunks recently fetched for reads: fingerprint -> (expiry, bytes).
-        self._held: OrderedDict[Fprint, tuple[float, bytes]] = OrderedDict()
+        self._held: OrderedDict[Fprint, tuple[float, bytes | memoryview]] = OrderedDict()
+        self._held_bases: dict[int, int] = {}  # id of a run buffer -> its chunks held
         self._to_write: list[tuple[Fprint, bytes, CacheSlot | None]] = []  # for `_write_loop`
         self._writing = False
         # Chunk GETs on the chunk engine, many per submission, where the
@@ -340,6 +345,61 @@ class Fetcher(ManifestSource, StoreGets, FlightRuns, Landing, FetcherHydration):
         assert flight.data is not None
         self._used(flight.fp)
         return flight.data
+
+    def span(self, fps: list[Fprint], last_length: int) -> memoryview | None:
+        """The bytes of chunks ``fps`` in a row (each a chunk's size, the
+        last ``last_length``) as one view, when all are in memory, decoded
+        one after another into one run buffer (`chunk_engine.RUN_BUFFER_PARTS`):
+        a read request answered without a copy. None otherwise (the caller
+        copies them into a reply of its own)."""
+        first = self._memory(fps[0])
+        if type(first) is not memoryview:
+            return None
+        base = first.obj
+        origin = address(base)
+        start = address(first) - origin
+        at = start + len(first)
+        n = len(fps)
+        if len(first) != (CHUNK_SIZE if n > 1 else last_length):
+            return None
+        for k in range(1, n):
+            data = self._memory(fps[k])
+            if (type(data) is not memoryview or data.obj is not base
+                    or len(data) != (CHUNK_SIZE if k < n - 1 else last_length)
+                    or address(data) - origin != at):
+                return None
+            at += len(data)
+        stats = self.stats
+        stats["requests"] += n
+        stats["mem_hits"] += n
+        stats["spans"] += 1
+        if self._prefetched_unused:
+            for fp in fps:
+                self._used(fp)
+        return memoryview(base)[start:at]
+
+    async def span_after_flights(self, fps: list[Fprint], last_length: int) -> memoryview | None:
+        """`span`, once the flights under way of the chunks of ``fps`` not
+        in memory are done (a scan's read that caught up with its
+        readahead: the runs it waits for land in memory); None at once when
+        one of them is neither in memory nor under way."""
+        flights: list[Flight] = []
+        inflight = self._inflight
+        for fp in fps:
+            if self._memory(fp) is None:
+                flight = inflight.get(fp)
+                if flight is None:
+                    return None
+                flights.append(flight)
+        if not flights:
+            return None
+        self.stats["joins"] += len(flights)
+        for flight in flights:
+            if flight.prefetch and not flight.promoted:
+                self._promote(flight)
+        self._engine.pump()
+        await self._wait(flights)
+        return self.span(fps, last_length)
 
     async def read_into(self, fps: list[Fprint], dests: list[memoryview],
                         sources: list[ChunkSource] | None = None) -> None:

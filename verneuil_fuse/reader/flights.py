@@ -541,13 +541,10 @@ class EnginePath:
         and the cache slots of GETs it did not end are given back."""
         try:
             while True:
-                for token, outcome in await engine.answers():
-                    if isinstance(token, Flight):
-                        self._answered(token, outcome)
-                    else:
-                        token.outcome = outcome
-                        token.event.set()
+                self._hand_out(await engine.answers())
                 self.pump()
+                if engine.idle:
+                    engine.run_buffers.let_go()
         finally:
             if self._engine is engine:
                 self._engine = None
@@ -556,6 +553,17 @@ class EnginePath:
                 if isinstance(token, Flight) and token.slot is not None:
                     token.slot.abandon()
                     token.slot = None
+
+    def _hand_out(self, answers: list[tuple[Any, Outcome]]) -> None:
+        """A batch of answers to their flights and `get_one`'s waits (in a
+        call of its own: nothing of the batch stays referred to while the
+        next one is awaited, a run buffer's chunks included)."""
+        for token, outcome in answers:
+            if isinstance(token, Flight):
+                self._answered(token, outcome)
+            else:
+                token.outcome = outcome
+                token.event.set()
 
     def _answered(self, flight: Flight, outcome: Outcome) -> None:
         """In trio: an answer of the engine path, to the flight's owner (a

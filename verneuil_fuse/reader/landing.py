@@ -1,11 +1,13 @@
 """Where the fetcher's chunks land: the in-memory LRU, the chunks held for
-the reads that fetched them (`HOLD_SECONDS`), and the disk cache, written
+the reads that fetched them (`HOLD_SECONDS`; a chunk of a run buffer as a
+view while they keep few such buffers alive), and the disk cache, written
 in batches, one worker thread hop per batch, in the places the flights took
 when they started (`cache.CacheSlot`).
 
 Tested by tests/test_reader_fetcher.py (test_disk_cache_is_verified_and_shared,
-test_prefetched_chunks_land_in_the_order_fetches_started) and
-tests/test_faults.py (the held chunks).
+test_prefetched_chunks_land_in_the_order_fetches_started,
+test_held_chunks_keep_few_run_buffers_alive) and tests/test_faults.py (the
+held chunks).
 """
 from __future__ import annotations
 
@@ -25,6 +27,10 @@ from verneuil_fuse.reader.flights import Flight, store_chunk
 # requests; 2 s and 64 chunks (4 MiB) leave a wide margin at a small cost.
 HOLD_SECONDS = 2.0
 HOLD_CHUNKS = 64
+# Run buffers (4-5 MiB each) the held chunks may keep alive: a read that
+# waited for a run holds chunks of one or two, and a copy of each chunk
+# beyond bounds what holding costs whatever the reads are.
+HOLD_RUN_BUFFERS = 4
 
 
 class Landing:
@@ -39,15 +45,37 @@ class Landing:
                 if held[0] >= trio.current_time():
                     return held[1]
                 del self._held[fp]
+                self._unheld(held[1])
         return data
 
-    def _hold(self, fp: Fprint, data: bytes) -> None:
-        """Keep a chunk fetched for a read (see `HOLD_SECONDS`)."""
-        held = self._held
+    def _hold(self, fp: Fprint, data: bytes | memoryview) -> None:
+        """Keep a chunk fetched for a read (see `HOLD_SECONDS`). A chunk of
+        a run buffer (`chunk_engine.RUN_BUFFER_PARTS`) is kept as it is
+        while the held chunks keep at most `HOLD_RUN_BUFFERS` such buffers
+        alive, as a copy beyond."""
+        held, bases = self._held, self._held_bases
+        if type(data) is memoryview:
+            key = id(data.obj)
+            if key not in bases and len(bases) >= HOLD_RUN_BUFFERS:
+                data = bytes(data)
+            else:
+                bases[key] = bases.get(key, 0) + 1
+        old = held.pop(fp, None)
+        if old is not None:
+            self._unheld(old[1])
         held[fp] = (trio.current_time() + HOLD_SECONDS, data)
-        held.move_to_end(fp)
         while len(held) > HOLD_CHUNKS:
-            held.popitem(last=False)
+            self._unheld(held.popitem(last=False)[1][1])
+
+    def _unheld(self, data: bytes | memoryview) -> None:
+        """A held chunk let go: its run buffer counted once less."""
+        if type(data) is memoryview:
+            bases = self._held_bases
+            key = id(data.obj)
+            if bases[key] > 1:
+                bases[key] -= 1
+            else:
+                del bases[key]
 
     def _used(self, fp: Fprint) -> None:
         if fp in self._prefetched_unused:

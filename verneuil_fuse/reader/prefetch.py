@@ -30,13 +30,16 @@ class PrefetchConfig:
     readahead: bool = True
     btree: bool = True
     readahead_initial: int = 2  # chunks
-    # Chunks (32 MiB ahead): enough to hide 20 ms per request of a packed
-    # store read by runs of ~16 chunks at ~7,000 chunks/s (a cold scan on the
-    # nginx rig: 2.1-2.3 s with 512, 2.4-3.9 s with 256, 2.7-2.8 s with 1024,
-    # whose prefetched chunks no longer fit the 64 MiB memory cache and are
-    # read back from the disk cache; docs/BENCHMARKS.md); in Verneuil's
-    # layout the fetcher's prefetch slots (3/4 of its 256 GETs) bound it.
-    readahead_max: int = 512
+    # Chunks (48 MiB ahead, ~85 ms of a cold scan of a packed store at
+    # ~570 MB/s): a run of a pack takes 40-75 ms from its start to its
+    # chunks in memory on the nginx rig (20 ms per request; the rest is the
+    # engine's turn on two busy cores), and with 512 (56 ms ahead) 30 % of a
+    # scan's reads waited for one, with 768 10 %: 1.62-1.65 s against
+    # 1.75-1.82 s, 896 alike, 1024 slower (1.87-1.92 s: more runs in flight
+    # than the 64 MiB memory cache and the run buffers' pool hold;
+    # docs/BENCHMARKS.md). In Verneuil's layout the fetcher's prefetch slots
+    # (3/4 of its 256 GETs) bound it.
+    readahead_max: int = 768
     btree_max: int = 32  # chunks
 
 

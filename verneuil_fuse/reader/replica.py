@@ -6,7 +6,10 @@ version (a follower's handle moves to another `Replica` only at offset 0,
 `follow.py`). Reads assemble the verified chunks that cover the range:
 bundled chunks (in the manifest) and the zero chunk are served without any
 fetch; everything else comes from the `Fetcher`, told where each chunk is
-when the manifest is of the packed layout (`format.chunk_source`).
+when the manifest is of the packed layout (`format.chunk_source`). A read
+whose chunks one range read of a pack decoded one after another is a view
+of that run's buffer (`Fetcher.span`); any other read of several chunks is
+copied into a reply buffer (`replies.py`).
 
 Prefetch is only a hint (it never decides which bytes are served): each read
 hands its position to the policies of `prefetch.py` that apply (sequential
@@ -18,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 from verneuil_fuse.format import (CHUNK_SIZE, MAX_RUN_BYTES, ZERO_CHUNK_FPRINT, ChunkSource, Fprint, Manifest,
-                                  chunk_source)
+                                  chunk_source, chunk_sources)
 from verneuil_fuse.reader.prefetch import BtreeReadahead, Cursor, PrefetchConfig, SequentialReadahead
 from verneuil_fuse.reader.replies import ReplyBuffers
 from verneuil_fuse.reader.store_gets import FetchError
@@ -114,7 +117,7 @@ class Replica:
         return chunk_source(self.manifest, index) if self.packed else None
 
     def _sources(self, indices: list[int]) -> list[ChunkSource] | None:
-        return [chunk_source(self.manifest, i) for i in indices] if self.packed else None
+        return chunk_sources(self.manifest, indices) if self.packed else None
 
     def chunk_fprint(self, index: int) -> Fprint:
         return self.manifest.chunks[index]
@@ -177,8 +180,14 @@ class Replica:
                                  % (self.path, first, len(data), self.manifest.chunk_length(first)))
             # A view, not a copy: pyfuse3 copies it into the reply.
             return memoryview(data)[off - base : end - base]
-        # Several chunks (the kernel's readahead asks for up to 1 MiB): read
-        # them into one buffer (reused: `replies.py`), the cached ones
+        # Several chunks (the kernel's readahead asks for up to 1 MiB): a
+        # view of the run buffer they were decoded into one after another,
+        # if they were (`Fetcher.span`: a scan of a packed store);
+        if self.packed:
+            whole = await self._span(first, last, cursor)
+            if whole is not None:
+                return whole[off - base : end - base]
+        # else read them into one buffer (reused: `replies.py`), the cached ones
         # straight from the disk cache's segments (`Fetcher.read_into`), and
         # reply with a view of it.
         view = memoryview(self._replies.take((last - first) * CHUNK_SIZE + self.manifest.chunk_length(last)))
@@ -210,6 +219,22 @@ class Replica:
                     self._note(i, dest)
         return view[off - base : end - base]
 
+    async def _span(self, first: int, last: int, cursor: Cursor | None) -> memoryview | None:
+        """Chunks ``first``..``last`` as one view of the run buffer they
+        were decoded into one after another (`Fetcher.span`), once the runs
+        under way that bring them are in; None when they are not (the
+        caller copies them into a reply)."""
+        fetcher = self.fetcher
+        fps = self.manifest.chunks[first:last + 1]
+        last_length = self.manifest.chunk_length(last)
+        whole = fetcher.span(fps, last_length)
+        if whole is None:
+            whole = await fetcher.span_after_flights(fps, last_length)
+        if whole is not None and self._btree is not None and not self._streaming(cursor):
+            for i in range(first, last + 1):
+                self._note(i, whole[(i - first) * CHUNK_SIZE:(i - first + 1) * CHUNK_SIZE])
+        return whole
+
     # --------------------------------------------------------------- prefetch
     def _hint(self, off: int, end: int, first: int, last: int, cursor: Cursor | None) -> None:
         """Hand the fetcher the chunks the prefetch policies name for this
@@ -228,12 +253,12 @@ class Replica:
         """The fingerprints of the chunks of ``indices`` that would need a
         fetch (in the file, not bundled, not the zero chunk), and their
         indices: one pass, for a hint of hundreds of chunks per read."""
-        chunks, local, n = self.manifest.chunks, self._local, self.nchunks
+        words, local, n = self.manifest.chunks.words, self._local, self.nchunks
         fps: list[Fprint] = []
         remote: list[int] = []
         for i in indices:
             if 0 <= i < n:
-                fp = chunks[i]
+                fp = Fprint(words[2 * i], words[2 * i + 1])
                 if fp not in local and fp != ZERO_CHUNK_FPRINT:
                     fps.append(fp)
                     remote.append(i)
