@@ -297,18 +297,25 @@ def free_bytes(path) -> int:
 def fill(path) -> str:
     """Fill the file system at ``path`` with one file, as another program would."""
     filler = os.path.join(str(path), "filler")
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"x" * 65536)
-                f.flush()
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for size in (65536, 4096):  # to the last page
+            try:
+                while True:
+                    os.write(fd, b"x" * size)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
     return filler
 
 
 def test_the_disk_bounds_the_cache_and_keeps_its_reserve_free(small_fs, caplog, monkeypatch):
     monkeypatch.setattr(segments_mod, "WRITE_PAUSE_S", 0.3)
+    # A file system that gives no blocks ahead: a segment started before
+    # another program filled the disk then fails its next write (with them,
+    # test_a_segments_blocks_are_given_ahead_and_back, it writes on).
+    monkeypatch.setattr(segments_mod, "_preallocate", lambda fd, size: None)
     reserve = int(4 * (1 << 20) * cache_mod.FREE_RESERVE_FRACTION)
     with caplog.at_level(logging.WARNING, logger="verneuil_fuse.reader.cache"):
         c = ChunkCache(str(small_fs), 1 << 30)
@@ -582,3 +589,29 @@ def test_memory_lru_counts_a_run_buffer_once_while_any_of_its_chunks_is_held():
     huge = bytes(13 * CHUNK_SIZE)
     lru.put(fingerprint(b"h"), memoryview(huge)[:10])
     assert lru.get(fingerprint(b"h")) is None and lru.size == 8 * CHUNK_SIZE
+
+
+def test_a_segments_blocks_are_given_ahead_and_back(small_fs):
+    """A segment of ours gets its disk blocks when it is made (its size
+    still says what it holds), so that a program filling the disk meanwhile
+    does not fail its writes; the blocks past what it holds are given back
+    when its files are closed."""
+    c = ChunkCache(str(small_fs), 1 << 30)
+    fp, data = chunks(1)[0]
+    c.put(fp, data)
+    seg = c._active
+    st = os.fstat(seg.fd)
+    assert st.st_size == len(data) and st.st_blocks * 512 >= c.segment_bytes
+    filler = fill(small_fs)
+    try:
+        more = chunks(4, seed=3)
+        for f2, d2 in more:
+            c.put(f2, d2)
+        assert c.stats["write_pauses"] == 0
+        assert all(c.get(f2) == d2 for f2, d2 in more)
+    finally:
+        os.unlink(filler)
+    path = seg.seg_path
+    c.close()
+    st = os.stat(path)
+    assert st.st_size == 5 * len(data) and st.st_blocks * 512 < st.st_size + (64 << 10)

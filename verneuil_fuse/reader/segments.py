@@ -12,6 +12,7 @@ test_a_removed_cache_directory_is_made_again).
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -63,6 +64,15 @@ PAUSE_WARN_INTERVAL_S = 300.0
 # processes sharing the directory wrote or deleted. A rescan is a listdir and
 # one fstat per segment; once a second costs nothing next to a GET.
 RESCAN_INTERVAL_S = 1.0
+# The data file of a segment of ours gets its disk blocks when it is made
+# (fallocate, FALLOC_FL_KEEP_SIZE: its size still says what it holds): ext4
+# then writes chunks into blocks already allocated, without its per-page
+# bookkeeping of delayed allocation, a quarter less CPU per byte written
+# (1 GiB in 64 KiB pwrites: 0.19 s against 0.26 s of CPU), on the chunk
+# engine's thread in a cold scan. The blocks past what the segment holds
+# are given back when its files are closed (`_close_fds`); a file system
+# that has no fallocate, or not the room, gets none.
+_FALLOC_FL_KEEP_SIZE = 1
 
 
 def _check(major: int, minor: int, offset: int, length: int) -> int:
@@ -85,6 +95,23 @@ def disk_room(path: str) -> int | None:
         return None
     reserve = min(FREE_RESERVE_MAX, int(st.f_blocks * st.f_frsize * FREE_RESERVE_FRACTION))
     return st.f_bavail * st.f_frsize - reserve
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """The blocks of bytes [0, size) of new file ``fd``, if the file system
+    gives them now (see `_FALLOC_FL_KEEP_SIZE`); any it gave before it
+    refused are given back."""
+    if _libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, size) == 0:
+        return
+    log.debug("no blocks given ahead for a cache segment: %s", os.strerror(ctypes.get_errno()))
+    try:
+        os.ftruncate(fd, 0)
+    except OSError:
+        pass
 
 
 @dataclass(eq=False)
@@ -187,6 +214,7 @@ class Segments:
             seg.fd = -1
             os.unlink(seg.seg_path)
             raise
+        _preallocate(seg.fd, self.segment_bytes)
         self._segments[seg.name] = seg
 
     def _make_dir_again(self) -> None:
@@ -295,6 +323,11 @@ class Segments:
 
     @staticmethod
     def _close_fds(seg: _Segment) -> None:
+        if seg.own and seg.fd >= 0:
+            try:  # the blocks given ahead past what it holds (`_preallocate`)
+                os.ftruncate(seg.fd, seg.data_bytes)
+            except OSError:
+                pass
         for attr in ("fd", "idx_fd"):
             fd = getattr(seg, attr)
             if fd >= 0:
