@@ -234,6 +234,32 @@ def test_reads_of_a_run_of_a_pack_are_views_of_its_buffer(local_store):
     run(local_store, go)
 
 
+def test_a_packed_replicas_readahead_starts_with_a_run(local_store):
+    """In a packed store the first sequential readahead window is a run of
+    a pack (one range GET, as two chunks would be); in Verneuil's layout,
+    where each chunk is a GET, it starts at the config's two chunks."""
+    from verneuil_fuse.reader.replica import PACKED_READAHEAD_INITIAL
+
+    publish(local_store, os.urandom(200 * CHUNK_SIZE), "/seq-packed.db", packed=16 << 20)
+    publish(local_store, os.urandom(200 * CHUNK_SIZE), "/seq-chunks.db")
+
+    async def go(cat):
+        await cat.refresh()
+        got = {}
+        for entry in cat.entries.values():
+            r = await cat.decoded(entry)
+            cursor = Cursor()
+            hints: list[int] = []
+            for k in range(3):  # three reads in order: the readahead starts at the third
+                r._sequential.hint(cursor, k * CHUNK_SIZE, (k + 1) * CHUNK_SIZE, k, k, hints)
+            got[r.packed] = (r._sequential.initial, len(hints))
+        return got
+
+    got = run(local_store, go)
+    assert PACKED_READAHEAD_INITIAL == 64
+    assert got == {True: (64, 64), False: (2, 2)}
+
+
 def test_base_chunk_manifest(local_store):
     """A chunk list stored XOR-ed with a base chunk (docs/FORMAT.md) is read
     through the fetcher (verified, single-flight) while decoding."""

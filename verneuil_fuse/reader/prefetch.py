@@ -63,16 +63,18 @@ def _grow(window: int, initial: int, largest: int) -> int:
 class SequentialReadahead:
     """Applies to reads of one open handle (its `Cursor`) in file order:
     once reads have entered two new chunks in order, the next chunks are
-    fetched ahead; the window doubles on every sequential read up to
-    ``readahead_max`` chunks and drops to nothing on a random read. Chunks
-    already in the disk cache cost no GET (the fetcher skips them) and are
-    left to the kernel's readahead of the cache's files."""
+    fetched ahead; the window starts at ``initial`` chunks (the config's
+    ``readahead_initial`` unless given), doubles on every sequential read up
+    to ``readahead_max`` chunks and drops to nothing on a random read.
+    Chunks already in the disk cache cost no GET (the fetcher skips them)
+    and are left to the kernel's readahead of the cache's files."""
 
-    __slots__ = ("config", "last_index")
+    __slots__ = ("config", "last_index", "initial")
 
-    def __init__(self, config: PrefetchConfig, nchunks: int):
+    def __init__(self, config: PrefetchConfig, nchunks: int, initial: int | None = None):
         self.config = config
         self.last_index = nchunks - 1
+        self.initial = config.readahead_initial if initial is None else initial
 
     def hint(self, cursor: Cursor, off: int, end: int, first: int, last: int, hints: list[int]) -> None:
         """Note a read of chunks ``first``..``last`` (bytes ``off``..``end``)
@@ -80,7 +82,7 @@ class SequentialReadahead:
         if not self._in_order(cursor, off, end, first, last):
             return
         cfg = self.config
-        cursor.window = _grow(cursor.window, cfg.readahead_initial, cfg.readahead_max)
+        cursor.window = _grow(cursor.window, self.initial, cfg.readahead_max)
         stop = min(last + cursor.window, self.last_index)
         hints.extend(range(max(last, cursor.ahead) + 1, stop + 1))
         cursor.ahead = max(cursor.ahead, stop)
