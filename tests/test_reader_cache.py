@@ -615,3 +615,21 @@ def test_a_segments_blocks_are_given_ahead_and_back(small_fs):
     c.close()
     st = os.stat(path)
     assert st.st_size == 5 * len(data) and st.st_blocks * 512 < st.st_size + (64 << 10)
+
+
+def test_memory_lru_peek_leaves_the_order_as_it_is():
+    """`peek` (a read in file order) does not make a chunk the most recently
+    used: the chunks read ahead and not read yet, older, stay, and those
+    read go first; `get` does make it so."""
+    from verneuil_fuse.reader.cache import MemoryLRU
+
+    lru = MemoryLRU(3 * 1000)
+    a, b, c, d = (fingerprint(x) for x in (b"a", b"b", b"c", b"d"))
+    for fp in (a, b, c):
+        lru.put(fp, b"x" * 1000)
+    assert lru.peek(a) == b"x" * 1000  # read by a scan: a goes first all the same
+    lru.put(d, b"y" * 1000)
+    assert lru.peek(a) is None and lru.peek(b) is not None
+    assert lru.get(b) is not None  # read again at random: b stays, c goes
+    lru.put(a, b"z" * 1000)
+    assert lru.peek(c) is None and lru.peek(b) is not None and lru.peek(d) is not None

@@ -430,6 +430,13 @@ class MemoryLRU:
                 self._items.move_to_end(fp)
             return data
 
+    def peek(self, fp: Fprint) -> bytes | memoryview | None:
+        """The chunk, if here, left where it is in the LRU order: a read in
+        file order (`fetcher.Fetcher.span`) will not read it again, and the
+        chunks its readahead brought in, older but not read yet, must not
+        go first."""
+        return self._items.get(fp)
+
     def __contains__(self, fp: Fprint) -> bool:
         return fp in self._items
 

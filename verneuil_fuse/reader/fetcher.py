@@ -352,7 +352,7 @@ class Fetcher(ManifestSource, StoreGets, FlightRuns, Landing, FetcherHydration):
         one after another into one run buffer (`chunk_engine.RUN_BUFFER_PARTS`):
         a read request answered without a copy. None otherwise (the caller
         copies them into a reply of its own)."""
-        first = self._memory(fps[0])
+        first = self._memory(fps[0], False)  # a read in file order: the LRU's order kept (`MemoryLRU.peek`)
         if type(first) is not memoryview:
             return None
         base = first.obj
@@ -363,7 +363,7 @@ class Fetcher(ManifestSource, StoreGets, FlightRuns, Landing, FetcherHydration):
         if len(first) != (CHUNK_SIZE if n > 1 else last_length):
             return None
         for k in range(1, n):
-            data = self._memory(fps[k])
+            data = self._memory(fps[k], False)
             if (type(data) is not memoryview or data.obj is not base
                     or len(data) != (CHUNK_SIZE if k < n - 1 else last_length)
                     or address(data) - origin != at):
@@ -386,7 +386,7 @@ class Fetcher(ManifestSource, StoreGets, FlightRuns, Landing, FetcherHydration):
         flights: list[Flight] = []
         inflight = self._inflight
         for fp in fps:
-            if self._memory(fp) is None:
+            if self._memory(fp, False) is None:
                 flight = inflight.get(fp)
                 if flight is None:
                     return None
@@ -423,7 +423,7 @@ class Fetcher(ManifestSource, StoreGets, FlightRuns, Landing, FetcherHydration):
         done = [False] * n
         disk: list[int] = []
         for k, fp in enumerate(fps):
-            data = self._memory(fp)
+            data = self._memory(fp, False)  # as `span`: a read of several chunks is a read in file order
             if data is not None:
                 dests[k][:] = data
                 done[k] = True

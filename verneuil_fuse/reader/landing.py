@@ -36,9 +36,10 @@ HOLD_RUN_BUFFERS = 4
 class Landing:
     """Where `fetcher.Fetcher`'s chunks land (see the module's docstring)."""
 
-    def _memory(self, fp: Fprint) -> bytes | None:
-        """The chunk from the in-memory LRU, or held since a recent read."""
-        data = self.mem.get(fp)
+    def _memory(self, fp: Fprint, refresh: bool = True) -> bytes | None:
+        """The chunk from the in-memory LRU (made its most recently used
+        unless not ``refresh``), or held since a recent read."""
+        data = self.mem.get(fp) if refresh else self.mem.peek(fp)
         if data is None and self._held:
             held = self._held.get(fp)
             if held is not None:

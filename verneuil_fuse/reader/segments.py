@@ -3,12 +3,14 @@ describes the layout): their names, the index records and their check
 word, the segments other processes sharing the directory created, grew or
 deleted (rescans), ours made at their first write and sealed, eviction of
 the oldest within ``size_limit`` and the file system's reserve, the pause
-of writes when the disk refuses them, and the descriptors' lives.
+of writes when the disk refuses them, the blocks a segment of ours is given
+ahead, and the descriptors' lives.
 
 Tested by tests/test_reader_cache.py (test_crash_leftovers_are_skipped,
 test_size_bound_evicts_oldest_segments, test_two_processes_share_one_directory,
 test_the_disk_bounds_the_cache_and_keeps_its_reserve_free,
-test_a_removed_cache_directory_is_made_again).
+test_a_removed_cache_directory_is_made_again,
+test_a_segments_blocks_are_given_ahead_and_back).
 """
 from __future__ import annotations
 
