@@ -403,6 +403,32 @@ class ChunkCache(CacheReads, Segments):
             self._active = None
 
 
+class RunBufferCounts(dict):
+    """How many chunks held somewhere (the memory LRU, the chunks held for
+    reads) are views of each run buffer (`chunk_engine.RUN_BUFFER_PARTS`),
+    by the buffer's id: what decides when holding them frees its memory."""
+
+    def add(self, view: memoryview) -> bool:
+        """One more chunk of ``view``'s buffer; True for its first."""
+        key = id(view.obj)
+        held = self.get(key, 0)
+        self[key] = held + 1
+        return not held
+
+    def remove(self, view: memoryview) -> bool:
+        """One chunk of ``view``'s buffer less; True for its last."""
+        key = id(view.obj)
+        held = self[key] - 1
+        if held:
+            self[key] = held
+            return False
+        del self[key]
+        return True
+
+    def holds(self, view: memoryview) -> bool:
+        return id(view.obj) in self
+
+
 class MemoryLRU:
     """A small in-process LRU of hot chunks (thread-safe, bounded in bytes).
 
@@ -415,7 +441,7 @@ class MemoryLRU:
         self.capacity = capacity
         self._size = 0
         self._items: OrderedDict[Fprint, bytes | memoryview] = OrderedDict()
-        self._bases: dict[int, int] = {}  # id of a run buffer -> its chunks here
+        self._bases = RunBufferCounts()
         self._lock = threading.Lock()
 
     @property
@@ -444,22 +470,13 @@ class MemoryLRU:
         """Bytes that holding ``data`` adds (lock held)."""
         if type(data) is not memoryview:
             return len(data)
-        key = id(data.obj)
-        held = self._bases.get(key, 0)
-        self._bases[key] = held + 1
-        return 0 if held else len(data.obj)
+        return len(data.obj) if self._bases.add(data) else 0
 
     def _release(self, data: bytes | memoryview) -> int:
         """Bytes that dropping ``data`` frees (lock held)."""
         if type(data) is not memoryview:
             return len(data)
-        key = id(data.obj)
-        held = self._bases[key] - 1
-        if held:
-            self._bases[key] = held
-            return 0
-        del self._bases[key]
-        return len(data.obj)
+        return len(data.obj) if self._bases.remove(data) else 0
 
     def put(self, fp: Fprint, data: bytes | memoryview) -> None:
         if len(data if type(data) is not memoryview else data.obj) > self.capacity:

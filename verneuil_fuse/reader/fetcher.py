@@ -59,7 +59,7 @@ from typing import Any, Iterable
 import trio
 
 from verneuil_fuse.format import CHUNK_SIZE, DEFAULT_MAX_DB_SIZE, ChunkSource, Fprint
-from verneuil_fuse.reader.cache import CacheSlot, ChunkCache, MemoryLRU
+from verneuil_fuse.reader.cache import CacheSlot, ChunkCache, MemoryLRU, RunBufferCounts
 from verneuil_fuse.reader.chunk_engine import address
 from verneuil_fuse.reader.flight_runs import FlightRuns
 from verneuil_fuse.reader.flights import DONE, EnginePath, Flight
@@ -229,7 +229,7 @@ class Fetcher(ManifestSource, StoreGets, FlightRuns, Landing, FetcherHydration):
         self._prefetched_unused: set[Fprint] = set()
         # Chunks recently fetched for reads: fingerprint -> (expiry, bytes).
         self._held: OrderedDict[Fprint, tuple[float, bytes | memoryview]] = OrderedDict()
-        self._held_bases: dict[int, int] = {}  # id of a run buffer -> its chunks held
+        self._held_bases = RunBufferCounts()  # the run buffers the held chunks keep alive
         self._to_write: list[tuple[Fprint, bytes, CacheSlot | None]] = []  # for `_write_loop`
         self._writing = False
         # Chunk GETs on the chunk engine, many per submission, where the

@@ -56,11 +56,10 @@ class Landing:
         alive, as a copy beyond."""
         held, bases = self._held, self._held_bases
         if type(data) is memoryview:
-            key = id(data.obj)
-            if key not in bases and len(bases) >= HOLD_RUN_BUFFERS:
+            if not bases.holds(data) and len(bases) >= HOLD_RUN_BUFFERS:
                 data = bytes(data)
             else:
-                bases[key] = bases.get(key, 0) + 1
+                bases.add(data)
         old = held.pop(fp, None)
         if old is not None:
             self._unheld(old[1])
@@ -71,12 +70,7 @@ class Landing:
     def _unheld(self, data: bytes | memoryview) -> None:
         """A held chunk let go: its run buffer counted once less."""
         if type(data) is memoryview:
-            bases = self._held_bases
-            key = id(data.obj)
-            if bases[key] > 1:
-                bases[key] -= 1
-            else:
-                del bases[key]
+            self._held_bases.remove(data)
 
     def _used(self, fp: Fprint) -> None:
         if fp in self._prefetched_unused:
